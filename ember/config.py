@@ -1,0 +1,150 @@
+"""Configuration, resolved once and passed narrowly.
+
+`ModelConfig` is what a model file needs, read from a Hugging Face config.json dict
+(transformers 4.x or 5.x layout). `EngineConfig` holds the engine options a user sets;
+values discovered at run time (the number of KV blocks, the device actually used) are
+returned by the components that find them, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+            )
+        return RopeConfig(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope: RopeConfig
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json names no `architectures`")
+        arch = archs[0]
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = cfg.get("sliding_window")
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            window = None
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope=RopeConfig.from_hf(cfg),
+            sliding_window=int(window) if window else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options a user sets when building an engine (`LLM(model, **options)`)."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: sized from free memory
+    kv_cache_memory_fraction: float = 0.5  # of free memory, when kv_cache_memory is None
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

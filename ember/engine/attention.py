@@ -1,0 +1,136 @@
+"""Attention over the paged KV cache, behind one interface.
+
+The model runner builds an `AttentionMetadata` once per step; every attention layer
+calls `backend.forward(q, k, v, kv_cache, meta)`, which writes this step's keys and
+values into the cache and attends over each sequence's whole context.
+
+Batch layout chosen by the runner: decode sequences (one query token each) first, then
+prefill chunks, so decode queries are the contiguous slice [0, num_decodes):
+
+    tokens:  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]
+              decodes    prefill 0    prefill 1
+
+The cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; token
+position p of a sequence lives in block block_table[p // block_size] at offset
+p % block_size, i.e. flat slot block_id * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    query_start: int  # first token of this chunk in the batch
+    query_len: int
+    context_len: int  # tokens of context after this step (computed before + this chunk)
+    block_ids: torch.Tensor  # [num_blocks] covering context_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each token
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]; True attends
+    prefills: list[PrefillSeq]
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer of a scheduled batch.
+
+    Called by every attention layer once per step, with this step's q [T, H, D] and
+    k, v [T, Hkv, D]. Must first store k and v at `meta.slot_mapping` in `kv_cache`
+    (so later steps, and other sequences sharing prefix blocks, see them), then return
+    the attention output [T, H, D], causal within each sequence.
+    """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchSDPABackend(AttentionBackend):
+    """torch's scaled_dot_product_attention over gathered blocks; runs on CPU and CUDA.
+
+    Decodes run as one batched call: the query heads that share a KV head are laid
+    along the query axis ([B, Hkv, group, D]), so GQA needs no copy of K and V.
+    A prefill chunk with no earlier context attends to its own k, v directly.
+    """
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], kv_cache, meta, scale)
+        for seq in meta.prefills:
+            chunk = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[chunk] = self._prefill(q[chunk], k[chunk], v[chunk], kv_cache, seq, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, kv_cache, meta, scale):
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[-2]
+        keys = _gather(kv_cache[0], meta.decode_block_table)  # [B, Hkv, L, D]
+        values = _gather(kv_cache[1], meta.decode_block_table)
+        grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped_q, keys, values, attn_mask=meta.decode_mask, scale=scale
+        )
+        return out.reshape(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(q, k, v, kv_cache, seq: PrefillSeq, scale):
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
+        if seq.context_len == seq.query_len:  # no earlier context: plain causal attention
+            keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
+        else:
+            table = seq.block_ids.unsqueeze(0)
+            keys = _gather(kv_cache[0], table)[0, :, : seq.context_len]
+            values = _gather(kv_cache[1], table)[0, :, : seq.context_len]
+            mask = _causal_mask(seq.query_len, seq.context_len, q.device)
+        out = F.scaled_dot_product_attention(
+            q,
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, Hkv, D] indexed by [B, M] -> [B, Hkv, M * bs, D]."""
+    blocks = cache[block_table]  # [B, M, bs, Hkv, D]
+    num_seqs, num_blocks, block_size, num_kv_heads, head_dim = blocks.shape
+    return blocks.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position context_len - query_len + i) sees keys at positions <= its own."""
+    query_pos = torch.arange(context_len - query_len, context_len, device=device)
+    key_pos = torch.arange(context_len, device=device)
+    return key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """The backend for a device; a paged CUDA kernel slots in here."""
+    return TorchSDPABackend()

@@ -1,0 +1,244 @@
+"""KV-cache blocks: the pool that owns them and the manager that hands them to requests.
+
+A block holds the keys and values of `block_size` consecutive tokens of one sequence in
+every layer. Its life cycle:
+
+    free, no hash --allocate--> in use (ref_cnt >= 1) --full & cached--> in use, hashed
+        ^                                                                   |
+        |   evicted (hash dropped) when reallocated        free (ref 0) <---+
+        +----------------------------------------------  hash kept, still findable
+
+A freed block stays in the free queue with its hash, so a later request with the same
+prefix can take it back (prefix caching). The free queue is LRU: reallocation takes the
+block freed longest ago; blocks with no hash go first.
+
+A full block's hash chains its parent's: hash(parent_hash, token ids). The root of the
+chain hashes the request's cache salt, so tenants with different salts share nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ember.engine.request import Request
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of one full block, chained to its parent's (stable across processes)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()[:16]
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    return hashlib.sha256(b"ember-kv-root:" + (cache_salt or "").encode()).digest()[:16]
+
+
+class BlockPool:
+    """Owns every block; hands out free ones and finds cached ones by hash."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Takes a reference on cached blocks, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        assert num_blocks <= len(self.free_queue), "allocate beyond free blocks"
+        out = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Makes a full block findable by hash (unless another block already is)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def free(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drops one reference from each block, in the order given (first is evicted first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block.block_id, last=False)
+
+    def check_integrity(self) -> bool:
+        for block in self.blocks:
+            in_queue = block.block_id in self.free_queue
+            assert in_queue == (block.ref_cnt == 0), f"block {block.block_id}: queue/ref mismatch"
+            assert block.ref_cnt >= 0
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, "hash map out of sync"
+        assert all(b.block_hash == h for h, b in self.cached.items())
+        return True
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found cached
+
+
+class KVCacheManager:
+    """Gives each request the blocks its tokens need; the scheduler's one view of the cache.
+
+    Called by the scheduler only: `get_computed_blocks` when admitting a request,
+    `allocate_slots` before each step that computes its tokens, `free` when it finishes,
+    is aborted or preempted.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_hashed_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a request's tokens, as blocks and a token count.
+
+        At least one token is always left to compute, so the step yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if request.num_cached_tokens < 0:  # count each request's prompt once
+            self.stats.queries += request.num_prompt_tokens
+            self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Makes room for `num_new_tokens` more tokens; None when there is not enough.
+
+        `computed_blocks` are prefix-cache hits for a request being admitted; on success
+        they join its block table ahead of the new blocks.
+        """
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_needed = -(-num_total // self.block_size) - len(blocks) - len(computed_blocks)
+        num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, num_total)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Returns all of a request's blocks; the last ones are evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_hashed_blocks.pop(request.request_id, None)
+        self.pool.free(blocks[::-1])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash; only possible while no block is in use."""
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            return False
+        for block in self.pool.blocks:
+            block.block_hash = None
+        self.pool.cached.clear()
+        return True
+
+    def check_integrity(self) -> bool:
+        self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for blocks in self.req_blocks.values():
+            for block in blocks:
+                refs[block.block_id] += 1
+        for block in self.pool.blocks:
+            assert refs[block.block_id] == block.ref_cnt, f"block {block.block_id} ref_cnt"
+        return True
+
+    def _update_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        for i in range(len(hashes), num_full):
+            start = i * self.block_size
+            parent = hash_block(parent, request.token_ids[start : start + self.block_size])
+            hashes.append(parent)
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        """Registers the blocks that `num_tokens` fill (their KV is computed this step)."""
+        start = self.num_hashed_blocks.get(request.request_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        self._update_hashes(request)
+        for i in range(start, end):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+        self.num_hashed_blocks[request.request_id] = end

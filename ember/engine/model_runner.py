@@ -1,0 +1,188 @@
+"""Runs one scheduled step: builds the batch tensors, runs the model, samples.
+
+Owns the model, the KV-cache tensors and the sampler. Batch tensors are built per
+sequence (slices and aranges), never with a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
+from ember.engine.sampler import Sampler, SamplerOutput
+from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
+from ember.loader.checkpoint import Checkpoint
+from ember.models import get_model_class
+
+logger = logging.getLogger("ember.engine")
+
+CPU_KV_CACHE_CAP = 4 << 30  # default CPU KV budget is at most 4 GiB
+
+
+@dataclass
+class StepOutput:
+    """Sampled tokens of the sequences that reached the end of their known tokens."""
+
+    request_ids: list[str]
+    sampled: SamplerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_config: ModelConfig,
+        checkpoint: Checkpoint,
+        max_model_len: int,
+    ) -> None:
+        self.config = engine_config
+        self.model_config = model_config
+        self.device = engine_config.resolve_device()
+        self.dtype = engine_config.resolve_dtype(self.device)
+        self.block_size = engine_config.block_size
+        self.model = self._load_model(checkpoint, max_model_len)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+
+    def _load_model(self, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
+        model_cls = get_model_class(self.model_config.architecture)
+        backend = get_attention_backend(self.device)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.model_config, backend, max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.load_weights(checkpoint.weights())
+        return model.eval()
+
+    # -- KV cache -----------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        cfg = self.model_config
+        elems = 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim
+        return cfg.num_hidden_layers * elems * self.dtype.itemsize
+
+    def kv_cache_budget(self) -> int:
+        """Bytes for the KV cache: the user's figure, or a share of free memory."""
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        fraction = self.config.kv_cache_memory_fraction
+        if self.device.type == "cuda":
+            self._profile_peak_memory()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * fraction)
+        return min(int(_available_host_memory() * fraction), CPU_KV_CACHE_CAP)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_block_bytes / 1e9,
+        )
+
+    def _profile_peak_memory(self) -> None:
+        """Runs the largest prefill once so the free-memory reading leaves room for it."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            num_decodes=0,
+            decode_block_table=None,
+            decode_mask=None,
+            prefills=[PrefillSeq(0, num_tokens, num_tokens, torch.arange(num_blocks))],
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.model(ids, torch.arange(num_tokens, device=self.device), self.kv_caches, meta)
+        self.kv_caches = []
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    # -- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        batch = [s for s in out.scheduled if s.num_new_tokens == 1]
+        num_decodes = len(batch)
+        batch += [s for s in out.scheduled if s.num_new_tokens > 1]
+        input_ids, positions, meta, sample_idx = self._prepare(batch, num_decodes)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling = [s.request for s in batch if s.samples]
+        if not sampling:
+            return StepOutput([], SamplerOutput([], []))
+        logits = self.model.compute_logits(hidden[sample_idx])
+        sampled = self.sampler(logits, sampling)
+        return StepOutput([r.request_id for r in sampling], sampled)
+
+    def _prepare(self, batch: list[ScheduledRequest], num_decodes: int):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        prefills: list[PrefillSeq] = []
+        sample_idx: list[int] = []
+        for sched in batch:
+            request, start, num = (
+                sched.request,
+                sched.request.num_computed_tokens,
+                sched.num_new_tokens,
+            )
+            input_ids += request.token_ids[start : start + num]
+            pos = torch.arange(start, start + num)
+            table = torch.tensor(sched.block_ids)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if num > 1:
+                prefills.append(PrefillSeq(len(input_ids) - num, num, start + num, table))
+            if sched.samples:
+                sample_idx.append(len(input_ids) - 1)
+        device = self.device
+        decode_table, decode_mask = self._decode_tables(batch[:num_decodes])
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(device),
+            num_decodes=num_decodes,
+            decode_block_table=decode_table,
+            decode_mask=decode_mask,
+            prefills=[_to_device(p, device) for p in prefills],
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        return ids, torch.cat(positions).to(device), meta, torch.tensor(sample_idx, device=device)
+
+    def _decode_tables(self, decodes: list[ScheduledRequest]):
+        if not decodes:
+            return None, None
+        width = max(len(s.block_ids) for s in decodes)
+        table = torch.zeros(len(decodes), width, dtype=torch.long)
+        for i, sched in enumerate(decodes):
+            table[i, : len(sched.block_ids)] = torch.tensor(sched.block_ids)
+        context = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
+        mask = torch.arange(width * self.block_size).unsqueeze(0) < context.unsqueeze(1)
+        return table.to(self.device), mask[:, None, None, :].to(self.device)
+
+
+def _to_device(seq: PrefillSeq, device: torch.device) -> PrefillSeq:
+    seq.block_ids = seq.block_ids.to(device)
+    return seq
+
+
+def _available_host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30

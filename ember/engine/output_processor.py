@@ -1,0 +1,145 @@
+"""Output side of the frontend: token ids from the core become text and RequestOutputs.
+
+Per sequence it detokenizes incrementally, applies stop strings (cutting the text at
+the earliest match, which may span tokens, and asking the core to stop the sequence),
+and works out the streaming delta, holding back text that could still begin a stop
+string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember.engine.core import EngineCoreOutput
+from ember.engine.detokenizer import IncrementalDetokenizer
+from ember.engine.processor import ProcessedPrompt
+from ember.outputs import CompletionOutput, RequestOutput
+from ember.sampling_params import SamplingParams
+
+
+class SequenceState:
+    def __init__(self, index: int, tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self.output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+            if tokenizer is not None
+            else None
+        )
+        self.stop = params.stop
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.stop_token_ids = set(params.stop_token_ids)
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+
+    def add(self, core: EngineCoreOutput) -> bool:
+        """Takes a core output; True if a stop string ended the sequence here."""
+        out = self.output
+        out.token_ids.extend(core.new_token_ids)
+        if out.logprobs is not None and core.new_logprobs:
+            out.logprobs.extend(core.new_logprobs)
+        if self.detokenizer is not None:
+            start = max(len(out.text) - self.holdback, 0)
+            out.text += self.detokenizer.add(core.new_token_ids)
+            if self.stop and self._cut_at_stop(start):
+                return True
+        if core.finish_reason is not None:
+            out.finish_reason = core.finish_reason
+            last = out.token_ids[-1] if out.token_ids else None
+            if core.finish_reason == "stop" and last in self.stop_token_ids:
+                out.stop_reason = last
+        return False
+
+    def _cut_at_stop(self, start: int) -> bool:
+        text = self.output.text
+        matches = [(i, s) for s in self.stop if (i := text.find(s, start)) >= 0]
+        if not matches:
+            return False
+        index, stop = min(matches)
+        self.output.text = text[:index]
+        self.output.finish_reason = "stop"
+        self.output.stop_reason = stop
+        return True
+
+    def take_delta(self) -> CompletionOutput:
+        """The output with its delta fields set to what is new since the last call."""
+        out = self.output
+        end = len(out.text) if out.finished else max(len(out.text) - self.holdback, 0)
+        end = max(end, self.num_sent_chars)
+        out.delta_text = out.text[self.num_sent_chars : end]
+        out.delta_token_ids = out.token_ids[self.num_sent_tokens :]
+        if out.logprobs is not None:
+            out.delta_logprobs = out.logprobs[self.num_sent_tokens :]
+        self.num_sent_chars = end
+        self.num_sent_tokens = len(out.token_ids)
+        return out
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: ProcessedPrompt
+    seqs: list[SequenceState]
+    num_cached_tokens: int = 0
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt.prompt,
+            prompt_token_ids=self.prompt.prompt_token_ids,
+            outputs=[s.take_delta() for s in self.seqs],
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    """Tracks every live request; turns each step's core outputs into RequestOutputs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.core_ids: dict[str, tuple[RequestState, int]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, core_ids: list[str]
+    ) -> None:
+        seqs = [
+            SequenceState(i, self.tokenizer, prompt.prompt_token_ids, params)
+            for i in range(len(core_ids))
+        ]
+        state = RequestState(request_id, prompt, seqs)
+        self.requests[request_id] = state
+        for i, core_id in enumerate(core_ids):
+            self.core_ids[core_id] = (state, i)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests' outputs and the core ids stopped by a stop string."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for core in outputs:
+            entry = self.core_ids.get(core.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            state, index = entry
+            if index == 0:
+                state.num_cached_tokens = max(core.num_cached_tokens, 0)
+            if state.seqs[index].add(core):
+                to_abort.append(core.request_id)
+            if state.seqs[index].output.finished:
+                del self.core_ids[core.request_id]
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            results.append(state.to_output())
+            if all(s.output.finished for s in state.seqs):
+                del self.requests[state.request_id]
+        return results, to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forgets a request; returns the core ids still to abort in the core."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [cid for cid, (s, _) in self.core_ids.items() if s is state]
+        for cid in ids:
+            del self.core_ids[cid]
+        return ids

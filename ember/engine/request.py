@@ -1,0 +1,90 @@
+"""One request as the engine core sees it.
+
+Life cycle: WAITING -> RUNNING -> FINISHED_*; a RUNNING request whose blocks are taken
+back (preemption by recompute) returns to WAITING with `num_computed_tokens = 0` and
+keeps its output so far, which is recomputed as if it were prompt.
+
+Token accounting is one model for every phase (no prefill/decode flag):
+
+    token_ids:  [ prompt ............ | output ...... ]
+                 <-- num_computed_tokens -->          computed KV in the cache
+                 <----------------- num_tokens ----->  known tokens
+
+A step computes tokens [num_computed_tokens, num_computed_tokens + n); when that reaches
+num_tokens the model's last logits give a new token, appended to the output.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    # n > 1: a sibling whose prompt blocks this request waits for, to share them.
+    wait_for: Request | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1: not admitted yet
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV-cache manager
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.status.finished or self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_token(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """Adds a sampled token; returns the finished status if it ends the request."""
+        self.token_ids.append(token_id)
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

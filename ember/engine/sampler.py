@@ -1,0 +1,128 @@
+"""Turning a batch of logits into one token per sequence.
+
+Order of operations per row: penalties (repetition over prompt and output, presence and
+frequency over output), then greedy argmax or temperature -> top-k -> top-p -> min-p ->
+a draw. Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples from
+p exactly; a seeded request draws its noise from its own generator only, so its output
+does not depend on what else is in the batch.
+
+Log-probabilities returned are the model's own (log-softmax of the raw logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: {token id: logprob} with the sampled token first, then the top-n; or None
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(r.sampling_params.has_penalties for r in requests):
+            logits = apply_penalties(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            subset = [requests[i] for i in random_rows]
+            tokens[rows] = sample_random(logits[rows], subset)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_list, requests))
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """OpenAI presence/frequency penalties on output tokens, HF repetition penalty on all."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts([r.output_token_ids for r in requests], vocab, device)
+    seen = _token_counts([r.token_ids for r in requests], vocab, device) > 0
+    params = [r.sampling_params for r in requests]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency * output_counts - presence * (output_counts > 0)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Draws one token per row after temperature, top-k, top-p and min-p."""
+    device = logits.device
+    params = [r.sampling_params for r in requests]
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    logits = logits / temperature
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    noise = torch.empty_like(probs)
+    for i, request in enumerate(requests):
+        if request.generator is None:
+            noise[i].exponential_()
+        else:
+            row = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
+            noise[i] = row.to(device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's top-k and top-p nucleus."""
+    device = logits.device
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device).unsqueeze(1)
+    drop = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    p = torch.tensor(top_p, device=device).unsqueeze(1)
+    drop |= mass_before >= p  # the top token always stays (mass_before is 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor | None, tokens: list[int], requests: list[Request]
+) -> list[dict[int, float] | None]:
+    if raw is None:
+        return [None] * len(requests)
+    out: list[dict[int, float] | None] = []
+    for i, request in enumerate(requests):
+        num = request.sampling_params.logprobs
+        if num is None:
+            out.append(None)
+            continue
+        entry = {tokens[i]: float(raw[i, tokens[i]])}
+        if num:
+            values, ids = raw[i].topk(num)
+            for token, value in zip(ids.tolist(), values.tolist(), strict=True):
+                entry.setdefault(token, value)
+        out.append(entry)
+    return out

@@ -1,0 +1,180 @@
+"""Continuous batching under a per-step token budget.
+
+Each step the scheduler decides how many tokens of each request to compute:
+running requests first (decodes and unfinished prefill chunks, in admission order),
+then waiting requests in arrival order (FCFS) while the budget, `max_num_seqs` and the
+KV cache allow. A prefix-cache hit simply admits a request with tokens already computed.
+When a running request cannot get a block, the most recently admitted running request
+is preempted (its blocks freed, to be recomputed later); the oldest request always
+makes progress, so there is neither deadlock nor starvation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so it yields a token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenUpdate:
+    request: Request
+    new_token_ids: list[int]
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV-cache manager.
+
+    Called by the engine core: `add`/`abort` at any time, then once per step
+    `schedule()`, the model runs the result, and `update(output, sampled)` appends the
+    sampled tokens, finishes requests and frees their blocks.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Ends a request at any moment and frees its blocks; None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            out.scheduled.append(
+                ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
+            )
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            if request.wait_for is not None and not request.wait_for.prefill_done:
+                deferred.append(request)  # n > 1: share the sibling's prompt blocks
+                continue
+            hits, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+                self.waiting.appendleft(request)
+                break
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(
+                ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
+            )
+            budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[TokenUpdate], list[Request]]:
+        """Advances computed counts and appends sampled tokens.
+
+        Returns the requests that got a token this step (finished or not), and those
+        that finished.
+        """
+        updated: list[TokenUpdate] = []
+        finished: list[Request] = []
+        for sched in out.scheduled:
+            request = sched.request
+            request.num_computed_tokens += sched.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            status = request.append_token(token, self.max_model_len)
+            updated.append(TokenUpdate(request, [token]))
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        return updated, finished
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]

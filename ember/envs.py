@@ -1,0 +1,16 @@
+"""Every environment variable ember reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where downloaded models live: $EMBER_CACHE_DIR or ~/.cache/ember."""
+    return Path(os.environ.get("EMBER_CACHE_DIR", Path.home() / ".cache" / "ember"))
+
+
+def log_level() -> str:
+    """Log level for the `ember` loggers: $EMBER_LOG_LEVEL (default INFO)."""
+    return os.environ.get("EMBER_LOG_LEVEL", "INFO").upper()

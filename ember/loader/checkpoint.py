@@ -1,0 +1,117 @@
+"""Opening a checkpoint: a Hugging Face directory (safetensors) or a GGUF file.
+
+Weights are read memory-mapped, one tensor at a time, behind a progress bar. Pickle
+checkpoints (`*.bin`, `*.pt`) are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+logger = logging.getLogger("ember.loader")
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint on disk: its config.json-style dict, weights and tokenizer."""
+
+    path: Path
+    hf_config: dict
+    is_gguf: bool
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor) pairs, with a progress bar and a timing log line."""
+        start = time.perf_counter()
+        source = self._gguf_weights() if self.is_gguf else self._safetensors_weights()
+        yield from tqdm(source, desc="Loading weights", unit=" tensors", leave=False)
+        seconds = time.perf_counter() - start
+        logger.info(
+            "loaded weights from %s: %.2f GB read in %.2f s (%.2f GB/s)",
+            self.path,
+            self.num_bytes / 1e9,
+            seconds,
+            self.num_bytes / 1e9 / max(seconds, 1e-9),
+        )
+
+    def tokenizer(self):
+        if self.is_gguf:
+            from ember.loader.gguf_loader import gguf_tokenizer
+
+            return gguf_tokenizer(self.path)
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except (OSError, ValueError) as exc:
+            logger.warning("no tokenizer in %s (%s); only token-id prompts work", self.path, exc)
+            return None
+
+    def _safetensors_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        yield name, f.get_tensor(name)
+            except SafetensorError as exc:
+                raise ValueError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
+
+    def _gguf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from ember.loader.gguf_loader import iter_gguf_weights, read_gguf
+
+        yield from iter_gguf_weights(read_gguf(self.path), self.hf_config)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Finds the config and weight files of a checkpoint; reads no weights yet."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from ember.loader.gguf_loader import gguf_to_hf_config, read_gguf
+
+        return Checkpoint(path, gguf_to_hf_config(read_gguf(path)), True, [path])
+    if not path.is_dir():
+        raise ValueError(f"model {str(path)!r} is neither a directory nor a .gguf file")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ValueError(f"{path} has no config.json")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+    return Checkpoint(path, hf_config, False, _safetensors_files(path))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ValueError(f"shards named in {index} are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickled:
+        raise ValueError(
+            f"{path} holds only pickle checkpoints ({', '.join(pickled)}); ember refuses "
+            "to load pickle. Convert them to safetensors first."
+        )
+    raise ValueError(f"{path} holds no *.safetensors weights")

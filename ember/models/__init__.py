@@ -1,0 +1,30 @@
+"""Model architectures written for ember's engine, keyed by config.json `architectures`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ember.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class for an `architectures` entry; a clear error lists the supported ones."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {supported}"
+        ) from None

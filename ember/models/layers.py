@@ -1,0 +1,123 @@
+"""Building blocks shared by the model files: norms, rotary embedding, fused linears.
+
+Parameters are created with `torch.empty` (no init cost) and filled by the loader
+through each parameter's `weight_loader(param, tensor, shard_id)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import RopeConfig
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def new_param(*shape: int) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = default_weight_loader
+    return param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = new_param(hidden_size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W is [out_features, in_features] like Hugging Face's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = new_param(out_features, in_features)
+        self.bias = new_param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of one input fused into one matmul (QKV, gate/up).
+
+    Checkpoints store the parts separately; `weight_loader` copies part `shard_id`
+    (an index into `output_sizes`) into its rows.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+        self.weight.weight_loader = self._load_shard
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_shard
+
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int) -> None:
+        start = sum(self.output_sizes[:shard_id])
+        rows = param.data.narrow(0, start, self.output_sizes[shard_id])
+        default_weight_loader(rows, tensor)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 scaling: slow long wavelengths by `factor`, keep short ones, blend between."""
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with cos/sin tabulated for every position once."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

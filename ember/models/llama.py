@@ -1,0 +1,168 @@
+"""The Llama family: Llama (1-3, SmolLM2), Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm).
+
+Attribute names mirror Hugging Face's modeling files, so checkpoint keys map one to
+one; q/k/v and gate/up are fused into one matmul each and loaded shard by shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.engine.attention import AttentionBackend, AttentionMetadata
+from ember.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, new_param
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
+        )
+        self.o_proj = Linear(q_size, config.hidden_size)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata, rotary):
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.view(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size])
+        self.down_proj = Linear(size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, meta, rotary):
+        hidden = hidden + self.self_attn(
+            positions, self.input_layernorm(hidden), kv_cache, meta, rotary
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = new_param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        hidden = F.embedding(input_ids, self.embed_tokens.weight)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name part -> (fused parameter name part, shard index)
+    fused_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, max_positions)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = new_param(config.vocab_size, config.hidden_size)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.model.norm(hidden), weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into the parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, shard = self._param_name(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter")
+            param = params[target]
+            tensor = tensor.to(param.dtype)
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add(name)
+        self._check_complete(params, loaded)
+
+    def _param_name(self, name: str) -> tuple[str, int | None]:
+        for part, (fused, shard) in self.fused_params.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+        return name, None
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        covered = {self._param_name(n)[0] for n in loaded}
+        missing = sorted(set(params) - covered)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,108 @@
+"""Fixtures: tiny random checkpoints (transformers' config classes) with a tiny tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+VOCAB = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Agents resend their whole context every turn, so prefill and cache reuse dominate. ",
+    "def main():\n    print('hello, world')\n    return 0\n",
+    "Größe, naïve café, 東京, emoji 🙂 and more unicode text here. ",
+    "0123456789 " * 5,
+]
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.25,
+    bos_token_id=None,
+    eos_token_id=1,
+    pad_token_id=None,
+)
+
+
+def _configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": LlamaConfig(**COMMON, tie_word_embeddings=True),
+        "llama3": LlamaConfig(
+            **COMMON,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "mistral": MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=None),
+        "qwen2": Qwen2Config(**COMMON, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
+    }
+
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+def build_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_end|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", unk_token=None, pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_checkpoint(path: Path, arch: str) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_configs()[arch], dtype=torch.float32)
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A function arch -> path of a tiny random checkpoint (built once per session)."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in cache:
+            cache[arch] = build_checkpoint(tmp_path_factory.mktemp(arch), arch)
+        return cache[arch]
+
+    return get
