@@ -26,7 +26,7 @@ class LLMEngine:
         from ember.loader.default_models import resolve_model
 
         torch.manual_seed(config.seed)
-        checkpoint = open_checkpoint(resolve_model(config.model))
+        self.checkpoint = checkpoint = open_checkpoint(resolve_model(config.model))
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer()
         self.core = EngineCore(config, self.model_config, checkpoint)

@@ -8,7 +8,7 @@ string.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ember.engine.core import EngineCoreOutput
 from ember.engine.detokenizer import IncrementalDetokenizer
@@ -61,17 +61,21 @@ class SequenceState:
         return True
 
     def take_delta(self) -> CompletionOutput:
-        """The output with its delta fields set to what is new since the last call."""
+        """A snapshot of the output, its delta fields holding what is new since the last."""
         out = self.output
         end = len(out.text) if out.finished else max(len(out.text) - self.holdback, 0)
         end = max(end, self.num_sent_chars)
-        out.delta_text = out.text[self.num_sent_chars : end]
-        out.delta_token_ids = out.token_ids[self.num_sent_tokens :]
-        if out.logprobs is not None:
-            out.delta_logprobs = out.logprobs[self.num_sent_tokens :]
+        snapshot = replace(
+            out,
+            token_ids=list(out.token_ids),
+            logprobs=None if out.logprobs is None else list(out.logprobs),
+            delta_text=out.text[self.num_sent_chars : end],
+            delta_token_ids=out.token_ids[self.num_sent_tokens :],
+            delta_logprobs=None if out.logprobs is None else out.logprobs[self.num_sent_tokens :],
+        )
         self.num_sent_chars = end
         self.num_sent_tokens = len(out.token_ids)
-        return out
+        return snapshot
 
 
 @dataclass

@@ -72,6 +72,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     @property
     def num_unfinished(self) -> int:
@@ -171,6 +172,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -30,6 +31,7 @@ class Checkpoint:
     hf_config: dict
     is_gguf: bool
     files: list[Path] = field(default_factory=list)
+    gguf_reader: Any = None  # the open GGUFReader of a .gguf checkpoint (parsed once)
 
     @property
     def num_bytes(self) -> int:
@@ -72,9 +74,9 @@ class Checkpoint:
                 raise ValueError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
 
     def _gguf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from ember.loader.gguf_loader import iter_gguf_weights, read_gguf
+        from ember.loader.gguf_loader import iter_gguf_weights
 
-        yield from iter_gguf_weights(read_gguf(self.path), self.hf_config)
+        yield from iter_gguf_weights(self.gguf_reader, self.hf_config)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -83,7 +85,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_file() and path.suffix == ".gguf":
         from ember.loader.gguf_loader import gguf_to_hf_config, read_gguf
 
-        return Checkpoint(path, gguf_to_hf_config(read_gguf(path)), True, [path])
+        reader = read_gguf(path)
+        return Checkpoint(path, gguf_to_hf_config(reader), True, [path], reader)
     if not path.is_dir():
         raise ValueError(f"model {str(path)!r} is neither a directory nor a .gguf file")
     config_file = path / "config.json"

@@ -1,0 +1,41 @@
+# Set-up is two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# torch is pinned to the CPU build this machine carries; on another machine point pip at
+# the CPU wheel index with e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+MODEL ?=
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0 $(PIP_TORCH_FLAGS)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/ember download $(MODEL)
+
+serve: model
+	$(BIN)/ember serve $(MODEL)
+
+test: model
+	$(BIN)/ruff check ember tests benchmarks
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check ember tests benchmarks
+	$(BIN)/ruff format --check ember tests benchmarks
+
+bench: model
+	$(BIN)/ember bench offline $(MODEL) --compare-hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Benchmarks: offline engine speed (`ember bench offline`)."""

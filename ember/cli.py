@@ -1,0 +1,142 @@
+"""The `ember` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ember import envs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that runs a model."""
+    from ember.config import EngineConfig
+
+    d = EngineConfig()
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF directory, .gguf file or alias (default: smollm2-135m)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=d.dtype,
+        help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16",
+    )
+    parser.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=_bytes,
+        default=None,
+        help="KV cache size, e.g. 2G (default: from free memory)",
+    )
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length served")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="token budget per step",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step"
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+
+
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from ember.loader.default_models import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ember import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_options(args))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate([args.prompt], params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ember.bench.offline import run_offline
+
+    return run_offline(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Serve LLMs to agentic workloads.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    download = sub.add_parser(
+        "download", help="fetch a model (default: smollm2-135m) into the cache"
+    )
+    download.add_argument("model", nargs="?", default=None)
+    download.set_defaults(func=cmd_download)
+
+    generate = sub.add_parser("generate", help="generate once from a prompt, offline")
+    add_engine_args(generate)
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline = bench_sub.add_parser("offline", help="engine throughput, no HTTP")
+    add_engine_args(offline)
+    from ember.bench.offline import add_offline_args
+
+    add_offline_args(offline)
+    offline.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

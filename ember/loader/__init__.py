@@ -1,0 +1,1 @@
+"""Checkpoint loading: GGUF files and the default model fetch."""

@@ -1,0 +1,80 @@
+"""The async interface streams per step, matches the offline API, and frees on cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.engine.async_llm import AsyncLLM, EngineDeadError
+
+PROMPT = [(5 * i) % 400 + 7 for i in range(50)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def async_llm(tiny_checkpoint):
+    engine = AsyncLLM(str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, **kw):
+    return [out async for out in engine.generate(prompt, params, **kw)]
+
+
+def test_streams_one_token_per_step_and_matches_offline(tiny_checkpoint, async_llm):
+    expected = LLM(str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24).generate(
+        [PROMPT], GREEDY
+    )[0]
+
+    async def main():
+        return await asyncio.gather(*(collect(async_llm, PROMPT, GREEDY) for _ in range(3)))
+
+    for stream in asyncio.run(main()):
+        assert len(stream) == 12 and stream[-1].finished and not stream[0].finished
+        deltas = [t for out in stream for t in out.outputs[0].delta_token_ids]
+        assert deltas == expected.outputs[0].token_ids
+        assert "".join(o.outputs[0].delta_text for o in stream) == expected.outputs[0].text
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(async_llm):
+    async def main():
+        long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        async for _ in async_llm.generate(PROMPT, long):
+            break  # client went away after the first token
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            stats = async_llm.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                return stats
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats.num_running == 0 and stats.kv_blocks_used == 0
+
+
+def test_bad_input_raises_and_engine_keeps_serving(async_llm):
+    async def main():
+        with pytest.raises(ValueError, match="max_tokens"):
+            await collect(async_llm, PROMPT, SamplingParams(max_tokens=10**6))
+        with pytest.raises(ValueError, match="empty"):
+            await collect(async_llm, [], GREEDY)
+        return await collect(async_llm, PROMPT, GREEDY)
+
+    assert asyncio.run(main())[-1].finished
+
+
+def test_shutdown_fails_live_requests_instead_of_hanging(async_llm):
+    async def main():
+        stream = async_llm.generate(PROMPT, SamplingParams(max_tokens=900, ignore_eos=True))
+        await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, async_llm.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    assert async_llm.dead
+    assert async_llm.engine.core.kv_cache.num_free_blocks == async_llm.engine.core.kv_cache.num_blocks

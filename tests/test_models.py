@@ -1,0 +1,110 @@
+"""Greedy output and prefill logits equal Hugging Face transformers' on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import ARCHS
+from ember import LLM, SamplingParams
+from ember.engine.request import Request
+
+NEW_TOKENS = 32
+PROMPTS = [
+    [(7 * i) % 500 + 3 for i in range(200)],
+    [11, 12, 13, 14, 15],
+    [(13 * i) % 480 + 5 for i in range(37)],
+    [(3 * i) % 490 + 4 for i in range(121)],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SMALL_KV = dict(kv_cache_memory=1 << 24)
+
+_hf_cache: dict[str, tuple] = {}
+
+
+def hf_reference(path, arch):
+    """transformers' greedy continuations of PROMPTS and its model (cached per arch)."""
+    if arch not in _hf_cache:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        outs = []
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            gen = model.generate(
+                ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            outs.append(gen[0, len(prompt) :].tolist())
+        _hf_cache[arch] = (model, outs)
+    return _hf_cache[arch]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_batch_matches_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    _, expected = hf_reference(path, arch)
+    llm = LLM(str(path), **SMALL_KV)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_matches_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    _, expected = hf_reference(path, arch)
+    llm = LLM(str(path), max_num_batched_tokens=24, **SMALL_KV)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_cache_hit_matches_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    _, expected = hf_reference(path, arch)
+    llm = LLM(str(path), **SMALL_KV)
+    first = llm.generate(PROMPTS, GREEDY)
+    second = llm.generate(PROMPTS, GREEDY)
+    assert token_ids(first) == expected and token_ids(second) == expected
+    # each prompt's full blocks (but never its last token) come from the cache
+    assert [o.num_cached_tokens for o in second] == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_matches_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    _, expected = hf_reference(path, arch)
+    head_dim = 32 if arch == "qwen3" else 16
+    block_bytes = 2 * 2 * 16 * 2 * head_dim * 4  # layers * (k, v) * block * kv heads * dim * fp32
+    llm = LLM(
+        str(path),
+        kv_cache_memory=20 * block_bytes,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+    )
+    assert llm.engine.core.kv_cache.num_blocks == 20
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.core.kv_cache.num_free_blocks == 20
+    assert llm.engine.core.kv_cache.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    model, _ = hf_reference(path, arch)
+    llm = LLM(str(path), **SMALL_KV)
+    prompt = PROMPTS[0]
+    core = llm.engine.core
+    request = Request("logits", prompt, SamplingParams(max_tokens=1), max_tokens=1)
+    core.scheduler.add(request)
+    scheduled = core.scheduler.schedule().scheduled
+    ids, positions, meta, _ = core.runner._prepare(scheduled, 0)
+    with torch.inference_mode():
+        hidden = core.runner.model(ids, positions, core.runner.kv_caches, meta)
+        ours = core.runner.model.compute_logits(hidden)
+        theirs = model(torch.tensor([prompt])).logits[0]
+    core.scheduler.abort("logits")
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
