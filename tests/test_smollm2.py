@@ -1,0 +1,63 @@
+"""The default model with its real weights: greedy chat output equals transformers' on the
+same GGUF file (transformers dequantizes and un-permutes it with its own code)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.loader.checkpoint import open_checkpoint
+from ember.loader.default_models import resolve_model
+from ember.loader.hf_reference import transformers_model
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant. Answer in one sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+    [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+    [{"role": "user", "content": "Übersetze: Guten Morgen, wie geht's? 🙂"}],
+]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = resolve_model(None)  # fetched by `make test` beforehand (ember download)
+    return LLM(str(path), kv_cache_memory=1 << 28, max_model_len=2048), transformers_model(
+        open_checkpoint(path)
+    )
+
+
+def test_greedy_chat_matches_transformers(smollm2):
+    llm, reference = smollm2
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outputs = llm.chat(CHATS, params)
+    tokenizer = llm.get_tokenizer()
+    for chat, output in zip(CHATS, outputs, strict=True):
+        prompt = output.prompt_token_ids
+        assert prompt == list(
+            tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        with torch.inference_mode():
+            generated = reference.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )[0, len(prompt) :].tolist()
+        assert output.outputs[0].token_ids == generated
+        expected_text = tokenizer.decode(generated, skip_special_tokens=True)
+        assert output.outputs[0].text == expected_text
+
+
+def test_answers_sensibly(smollm2):
+    llm, _ = smollm2
+    out = llm.chat(CHATS[0], SamplingParams(temperature=0.0, max_tokens=20))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, not the length limit
