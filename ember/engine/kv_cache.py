@@ -164,10 +164,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if request.num_cached_tokens < 0:  # count each request's prompt once
-            self.stats.queries += request.num_prompt_tokens
-            self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts a request's prompt in the prefix-cache stats, once, when first admitted."""
+        if self.enable_prefix_caching:
+            self.stats.queries += request.num_prompt_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -136,6 +136,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                self.kv_cache.record_admission(request, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(
