@@ -17,6 +17,7 @@ from ember.engine.sampler import Sampler, SamplerOutput
 from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
+from ember.models.layers import can_pack_for_cpu
 
 logger = logging.getLogger("ember.engine")
 
@@ -59,6 +60,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(checkpoint.weights())
+        if can_pack_for_cpu(self.device, self.dtype):
+            model.pack_for_cpu()
         return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------

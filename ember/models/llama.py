@@ -14,7 +14,14 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend, AttentionMetadata
-from ember.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, new_param
+from ember.models.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    new_param,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -36,19 +43,19 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata, rotary):
+    def forward(self, hidden, kv_cache, meta: AttentionMetadata, cos_sin):
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, -1)
+        qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            qk = torch.cat(
+                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], 1
+            )
+        qk = apply_rotary(qk, *cos_sin)  # q and k heads rotated in one go
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.view(num_tokens, q_size))
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -71,10 +78,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta, rotary):
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), kv_cache, meta, rotary
-        )
+    def forward(self, hidden, kv_cache, meta, cos_sin):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, meta, cos_sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -91,8 +96,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
+            hidden = layer(hidden, kv_cache, meta, cos_sin)
         return hidden
 
 
@@ -110,26 +116,31 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, max_positions)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = new_param(config.vocab_size, config.hidden_size)
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.model.norm(hidden), weight)
+        return self.lm_head(self.model.norm(hidden))
+
+    def pack_for_cpu(self) -> None:
+        """Moves every matmul weight into oneDNN's layout (see Linear.pack_for_cpu)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the parameters."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (
+                name == "lm_head.weight" and self.config.tie_word_embeddings
+            ):
                 continue
             target, shard = self._param_name(name)
             if target not in params:
