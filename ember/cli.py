@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step"
     )
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    parser.add_argument(
+        "--attention-backend", default=d.attention_backend, help="auto | sdpa | cpu-paged"
+    )
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
 
 
@@ -57,6 +60,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
         seed=args.seed,
     )
 

@@ -112,6 +112,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | sdpa | cpu-paged
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -130,6 +131,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.attention_backend not in ("auto", "sdpa", "cpu-paged"):
+            raise ValueError(
+                f"attention_backend must be auto, sdpa or cpu-paged; got {self.attention_backend!r}"
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")

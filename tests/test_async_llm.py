@@ -77,4 +77,6 @@ def test_shutdown_fails_live_requests_instead_of_hanging(async_llm):
 
     asyncio.run(main())
     assert async_llm.dead
-    assert async_llm.engine.core.kv_cache.num_free_blocks == async_llm.engine.core.kv_cache.num_blocks
+    assert (
+        async_llm.engine.core.kv_cache.num_free_blocks == async_llm.engine.core.kv_cache.num_blocks
+    )

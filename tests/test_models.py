@@ -42,11 +42,12 @@ def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_batch_matches_transformers(tiny_checkpoint, arch):
+def test_greedy_batch_matches_transformers(tiny_checkpoint, arch, backend):
     path = tiny_checkpoint(arch)
     _, expected = hf_reference(path, arch)
-    llm = LLM(str(path), **SMALL_KV)
+    llm = LLM(str(path), attention_backend=backend, **SMALL_KV)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 

@@ -38,6 +38,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]; True attends
+    decode_context_lens: torch.Tensor | None  # [num_decodes] tokens each decode attends to
     prefills: list[PrefillSeq]
 
 
@@ -134,6 +135,41 @@ def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torc
     return key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The backend for a device; a paged CUDA kernel slots in here."""
+class CPUPagedBackend(TorchSDPABackend):
+    """Decodes with ember's C++ kernel, which reads K and V blocks in place (no gathered
+    copy of every context, which at 64 sequences costs more than the matmuls); prefill
+    chunks as in TorchSDPABackend. CPU, float32."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def _decode(self, q, kv_cache, meta, scale):
+        return self.kernels.paged_decode_attention(
+            q.contiguous(),
+            kv_cache[0],
+            kv_cache[1],
+            meta.decode_block_table,
+            meta.decode_context_lens,
+            scale,
+        )
+
+
+BACKENDS = ("auto", "sdpa", "cpu-paged")
+
+
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend for a device; `auto` takes the fastest one that works here. A paged
+    CUDA kernel slots in here too."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    if name != "sdpa" and device.type == "cpu" and dtype == torch.float32:
+        from ember.engine.kernels import cpu_kernels
+
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return CPUPagedBackend(kernels)
+        if name == "cpu-paged":
+            raise ValueError("attention_backend 'cpu-paged': the C++ kernel could not be built")
+    elif name == "cpu-paged":
+        raise ValueError("attention_backend 'cpu-paged' needs device cpu and dtype float32")
     return TorchSDPABackend()

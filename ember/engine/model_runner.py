@@ -51,7 +51,7 @@ class ModelRunner:
 
     def _load_model(self, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
         model_cls = get_model_class(self.model_config.architecture)
-        backend = get_attention_backend(self.device)
+        backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -107,6 +107,7 @@ class ModelRunner:
             num_decodes=0,
             decode_block_table=None,
             decode_mask=None,
+            decode_context_lens=None,
             prefills=[PrefillSeq(0, num_tokens, num_tokens, torch.arange(num_blocks))],
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -155,12 +156,13 @@ class ModelRunner:
             if sched.samples:
                 sample_idx.append(len(input_ids) - 1)
         device = self.device
-        decode_table, decode_mask = self._decode_tables(batch[:num_decodes])
+        decode_table, decode_mask, decode_lens = self._decode_tables(batch[:num_decodes])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(device),
             num_decodes=num_decodes,
             decode_block_table=decode_table,
             decode_mask=decode_mask,
+            decode_context_lens=decode_lens,
             prefills=[_to_device(p, device) for p in prefills],
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
@@ -168,14 +170,15 @@ class ModelRunner:
 
     def _decode_tables(self, decodes: list[ScheduledRequest]):
         if not decodes:
-            return None, None
+            return None, None, None
         width = max(len(s.block_ids) for s in decodes)
         table = torch.zeros(len(decodes), width, dtype=torch.long)
         for i, sched in enumerate(decodes):
             table[i, : len(sched.block_ids)] = torch.tensor(sched.block_ids)
         context = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
         mask = torch.arange(width * self.block_size).unsqueeze(0) < context.unsqueeze(1)
-        return table.to(self.device), mask[:, None, None, :].to(self.device)
+        device = self.device
+        return table.to(device), mask[:, None, None, :].to(device), context.to(device)
 
 
 def _to_device(seq: PrefillSeq, device: torch.device) -> PrefillSeq:

@@ -1,0 +1,98 @@
+// Decode attention straight over the paged KV cache (one query token per sequence).
+//
+// Reads each sequence's keys and values in place, block by block, once per KV head:
+// no gathered copy of the context. Work is split over (sequence, KV head) pairs; the
+// query heads that share a KV head are handled together so each key is loaded once.
+//
+// q:            [num_seqs, num_heads, head_dim]                  float32, contiguous
+// key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]  float32, contiguous
+// value_cache:  same as key_cache
+// block_tables: [num_seqs, max_blocks] int64
+// context_lens: [num_seqs] int64 (tokens to attend to, the query's own included)
+// returns       [num_seqs, num_heads, head_dim]
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && key_cache.dtype() == torch::kFloat32,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "paged_decode_attention: contiguous tensors only");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  auto tables = block_tables.to(torch::kInt64).contiguous();
+  auto lens = context_lens.to(torch::kInt64).contiguous();
+  auto out = torch::zeros_like(q);
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = key_cache.data_ptr<float>();
+  const float* v_ptr = value_cache.data_ptr<float>();
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  const int64_t* len_ptr = lens.data_ptr<int64_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t seq = work / num_kv_heads, kv_head = work % num_kv_heads;
+      const int64_t len = len_ptr[seq];
+      TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "bad context length");
+      scores.assign(group * len, 0.f);
+      const float* q_seq = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t t = 0; t < len; ++t) {  // scores = q . k, block by block
+        const int64_t block = table_ptr[seq * max_blocks + t / block_size];
+        const float* key = k_ptr + (block * block_size + t % block_size) * token_stride +
+                           kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g)
+          scores[g * len + t] = dot(q_seq + g * head_dim, key, head_dim) * fscale;
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax per query head
+        float* row = scores.data() + g * len;
+        const float peak = *std::max_element(row, row + len);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+      }
+      float* out_seq = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t t = 0; t < len; ++t) {  // out = p . v
+        const int64_t block = table_ptr[seq * max_blocks + t / block_size];
+        const float* value = v_ptr + (block * block_size + t % block_size) * token_stride +
+                             kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g)
+          axpy(scores[g * len + t], value, out_seq + g * head_dim, head_dim);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache (CPU, float32)");
+}

@@ -1,0 +1,101 @@
+"""Attention backends agree with each other and with plain causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.engine.attention import (
+    AttentionMetadata,
+    PrefillSeq,
+    TorchSDPABackend,
+    get_attention_backend,
+)
+
+BS, HKV, GROUP, D = 16, 2, 3, 32
+H = HKV * GROUP
+
+
+def reference(q, k, v):
+    """Causal attention of one whole sequence: q [T, H, D], k/v [T, Hkv, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def run_step(backend, kv_cache, seqs, num_done):
+    """One step: each sequence computes its tokens [num_done[i], len) over the paged cache.
+
+    Sequences with one new token are decodes (first in the batch); blocks are scattered.
+    """
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) - num_done[i] != 1)
+    qs, ks, vs, slots, prefills, tables, lens = [], [], [], [], [], [], []
+    num_decodes, start = 0, 0
+    for i in order:
+        q, k, v, table = seqs[i]
+        n0, n = num_done[i], len(q)
+        pos = torch.arange(n0, n)
+        qs.append(q[n0:]), ks.append(k[n0:]), vs.append(v[n0:])
+        slots.append(table[pos // BS] * BS + pos % BS)
+        if n - n0 == 1:
+            num_decodes += 1
+            tables.append(table), lens.append(n)
+        else:
+            prefills.append(PrefillSeq(start, n - n0, n, table))
+        start += n - n0
+    width = max((len(t) for t in tables), default=0)
+    table = torch.zeros(len(tables), width, dtype=torch.long)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        num_decodes=num_decodes,
+        decode_block_table=table if num_decodes else None,
+        decode_mask=(torch.arange(width * BS)[None] < lens_t[:, None])[:, None, None]
+        if num_decodes
+        else None,
+        decode_context_lens=lens_t if num_decodes else None,
+        prefills=prefills,
+    )
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, meta, D**-0.5)
+    return dict(zip(order, out.split([len(seqs[i][0]) - num_done[i] for i in order]), strict=True))
+
+
+@pytest.mark.parametrize("name", ["sdpa", "auto"])
+def test_mixed_step_over_scattered_blocks_matches_causal_attention(name):
+    backend = get_attention_backend(name, torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    kv_cache = torch.zeros(2, 64, BS, HKV, D)
+    lengths, done = [1, 17, 40, 90, 33], [0, 16, 39, 50, 0]  # decodes, a chunk, fresh prefills
+    free = torch.randperm(64)
+    seqs, used = [], 0
+    for n in lengths:
+        num_blocks = -(-n // BS)
+        table = free[used : used + num_blocks]
+        used += num_blocks
+        seqs.append((torch.randn(n, H, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D), table))
+    # fill the cache with what earlier steps would have written
+    for (_, k, v, table), n0 in zip(seqs, done, strict=True):
+        pos = torch.arange(n0)
+        flat = table[pos // BS] * BS + pos % BS
+        kv_cache[0].view(-1, HKV, D)[flat] = k[:n0]
+        kv_cache[1].view(-1, HKV, D)[flat] = v[:n0]
+    outs = run_step(backend, kv_cache, seqs, done)
+    for i, (q, k, v, _) in enumerate(seqs):
+        torch.testing.assert_close(outs[i], reference(q, k, v)[done[i] :], atol=1e-5, rtol=1e-5)
+
+
+def test_auto_picks_the_cpu_kernel_for_float32_cpu():
+    backend = get_attention_backend("auto", torch.device("cpu"), torch.float32)
+    assert type(backend).__name__ == "CPUPagedBackend"
+    assert isinstance(
+        get_attention_backend("auto", torch.device("cpu"), torch.bfloat16), TorchSDPABackend
+    )
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("flash", torch.device("cpu"), torch.float32)
