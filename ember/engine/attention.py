@@ -72,10 +72,7 @@ class TorchSDPABackend(AttentionBackend):
     """
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = key_cache.shape[-2:]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        self._write(k, v, kv_cache, meta.slot_mapping)
         if not meta.prefills:  # decodes only: the common step
             return self._decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
@@ -85,6 +82,12 @@ class TorchSDPABackend(AttentionBackend):
             chunk = slice(seq.query_start, seq.query_start + seq.query_len)
             out[chunk] = self._prefill(q[chunk], k[chunk], v[chunk], kv_cache, seq, scale)
         return out
+
+    @staticmethod
+    def _write(k, v, kv_cache, slot_mapping):
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
     @staticmethod
     def _decode(q, kv_cache, meta, scale):
@@ -142,6 +145,9 @@ class CPUPagedBackend(TorchSDPABackend):
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
+
+    def _write(self, k, v, kv_cache, slot_mapping):
+        self.kernels.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
     def _decode(self, q, kv_cache, meta, scale):
         return self.kernels.paged_decode_attention(

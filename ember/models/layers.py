@@ -27,15 +27,36 @@ def new_param(*shape: int) -> nn.Parameter:
     return param
 
 
+def cpu_kernels_for(x: torch.Tensor):
+    """ember's fused C++ kernels when they apply to x (float32 on CPU), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    from ember.engine.kernels import cpu_kernels
+
+    return cpu_kernels()
+
+
 class RMSNorm(nn.Module):
+    """RMS norm; given a residual, it first adds x to it (in place where fused) and returns
+    (normed, residual): transformers' `hidden = residual + x; norm(hidden)`."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = new_param(hidden_size)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel; same math as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        kernels = cpu_kernels_for(x) if x.dim() == 2 else None
+        if residual is None:
+            if kernels is not None:
+                return kernels.add_rms_norm(x, None, self.weight, self.eps)
+            return self._norm(x)
+        if kernels is not None:
+            return kernels.add_rms_norm(residual, x, self.weight, self.eps), residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -135,15 +156,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The tables' rows for this step's positions, [T, 1, D] each (once per step)."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        """The tables' rows for this step's positions, [T, D] each (once per step)."""
+        cos = self.cos.index_select(0, positions).to(dtype)
+        sin = self.sin.index_select(0, positions).to(dtype)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (q and k heads together), cos/sin: [T, 1, D]."""
-    return x * cos + _rotate_half(x) * sin
+    """x: [T, heads, D] (q and k heads together; rotated in place where fused)."""
+    kernels = cpu_kernels_for(x)
+    if kernels is not None:
+        kernels.rotary_(x, cos, sin)
+        return x
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    kernels = cpu_kernels_for(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from ember.models.layers import (
     RotaryEmbedding,
     apply_rotary,
     new_param,
+    silu_and_mul,
 )
 
 
@@ -66,8 +67,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -78,9 +78,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, kv_cache, meta, cos_sin):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, meta, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, kv_cache, meta, cos_sin):
+        """Returns (this layer's MLP output, the residual stream before adding it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, kv_cache, meta, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -97,9 +103,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, kv_cache, meta, cos_sin)
-        return hidden
+            hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+        return hidden + residual
 
 
 class LlamaForCausalLM(nn.Module):

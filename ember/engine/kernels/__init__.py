@@ -25,7 +25,7 @@ def cpu_kernels():
         start = time.perf_counter()
         module = load(
             name="ember_cpu_kernels",
-            sources=[str(_HERE / "paged_attention.cpp")],
+            sources=[str(_HERE / "paged_attention.cpp"), str(_HERE / "layers.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

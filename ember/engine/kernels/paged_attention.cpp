@@ -92,7 +92,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
   return out;
 }
 
+void register_layer_kernels(pybind11::module& m);  // layers.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32)");
+  register_layer_kernels(m);
 }

@@ -1,0 +1,125 @@
+// Fused elementwise kernels for the decoder layer (CPU, float32): each replaces a
+// handful of torch ops, which at decode batch sizes cost more in dispatch than in math.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+void check_float_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32, name, ": float32 only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-D with contiguous rows");
+}
+
+}  // namespace
+
+// residual += delta (when given), then returns rms_norm(residual) * weight, like
+// transformers' `hidden = residual + delta; norm(hidden)` in float32.
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta,
+                           torch::Tensor weight, double eps) {
+  check_float_rows(residual, "add_rms_norm");
+  const int64_t rows = residual.size(0), dim = residual.size(1);
+  auto out = torch::empty({rows, dim}, residual.options());
+  float* res = residual.data_ptr<float>();
+  const float* add = delta.has_value() ? delta->data_ptr<float>() : nullptr;
+  const int64_t add_stride = delta.has_value() ? delta->stride(0) : 0;
+  TORCH_CHECK(!delta.has_value() || delta->stride(1) == 1, "add_rms_norm: delta rows");
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t res_stride = residual.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = res + r * res_stride;
+      if (add) {
+        const float* d = add + r * add_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) x[i] += d[i];
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
+      const float inv = 1.f / std::sqrt(sum / dim + static_cast<float>(eps));
+      float* y = o + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * (x[i] * inv);
+    }
+  });
+  return out;
+}
+
+// In place, rotate-half rotary embedding of x [T, heads, D] (token rows may be strided,
+// heads and dims contiguous) with cos/sin [T, D].
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3, "rotary_: float32 [T, H, D]");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: contiguous heads");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  auto c = cos.contiguous(), s = sin.contiguous();
+  float* base = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = cp + t * dim;
+      const float* st = sp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = base + t * stride + h * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * ct[i] - b * st[i];
+          v[i + half] = b * ct[i + half] + a * st[i + half];
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) * up for gate_up [T, 2I] -> [T, I].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_float_rows(gate_up, "silu_and_mul");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t stride = gate_up.stride(0);
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = in + r * stride;
+      const float* u = g + inter;
+      float* y = o + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// Stores k and v [T, Hkv, D] (token rows may be strided) at flat slots of the caches
+// [num_blocks, block_size, Hkv, D].
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
+              torch::Tensor value_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dtype() == torch::kFloat32 && key_cache.is_contiguous(), "write_kv: float32");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "write_kv: contiguous k heads");
+  TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == v.size(2), "write_kv: contiguous v heads");
+  const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
+  auto slot = slots.to(torch::kInt64).contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = key_cache.data_ptr<float>();
+  float* vc = value_cache.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::copy(kp + t * ks, kp + t * ks + width, kc + sp[t] * width);
+    std::copy(vp + t * vs, vp + t * vs + width, vc + sp[t] * width);
+  }
+}
+
+void register_layer_kernels(pybind11::module& m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight");
+  m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("write_kv", &write_kv, "store k, v at cache slots");
+}
