@@ -107,7 +107,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: sized from free memory
-    kv_cache_memory_fraction: float = 0.5  # of free memory, when kv_cache_memory is None
+    # share of free memory for the KV cache when kv_cache_memory is None;
+    # None: 0.5 of available RAM on CPU (at most 4 GiB), 0.9 of free GPU memory on CUDA
+    kv_cache_memory_fraction: float | None = None
     max_model_len: int | None = None  # None: the model's own context length
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -124,7 +126,10 @@ class EngineConfig:
             _positive("kv_cache_memory", self.kv_cache_memory)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+        if (
+            self.kv_cache_memory_fraction is not None
+            and not 0.0 < self.kv_cache_memory_fraction <= 1.0
+        ):
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
             )

@@ -80,8 +80,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._profile_peak_memory()
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * fraction)
-        return min(int(_available_host_memory() * fraction), CPU_KV_CACHE_CAP)
+            return int(free * (fraction or 0.9))
+        return min(int(_available_host_memory() * (fraction or 0.5)), CPU_KV_CACHE_CAP)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
@@ -108,7 +108,9 @@ class ModelRunner:
             decode_block_table=None,
             decode_mask=None,
             decode_context_lens=None,
-            prefills=[PrefillSeq(0, num_tokens, num_tokens, torch.arange(num_blocks))],
+            prefills=[
+                PrefillSeq(0, num_tokens, num_tokens, torch.arange(num_blocks, device=self.device))
+            ],
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with torch.inference_mode():
