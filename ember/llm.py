@@ -43,7 +43,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         processed = [self.engine.process_prompt(p) for p in prompts]
         for prompt, param in zip(processed, params, strict=True):  # check all lengths first
-            self.engine.input_processor.make_requests("check", prompt, param)
+            self.engine.input_processor.check(prompt, param)
         ids = [str(next(self._ids)) for _ in processed]
         for request_id, prompt, param in zip(ids, processed, params, strict=True):
             self.engine.add_request(request_id, prompt, param, cache_salt)

@@ -56,6 +56,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._stopping = False
+        self._stats = self.engine.stats()  # published by the engine thread after each step
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
         self._thread.start()
 
@@ -75,7 +76,7 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop has stopped: {self._error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         processed = self.engine.process_prompt(prompt)
-        self.engine.input_processor.make_requests(request_id, processed, params)  # checks only
+        self.engine.input_processor.check(processed, params)
         sink: asyncio.Queue = asyncio.Queue()
         self._commands.put(
             _Add(request_id, processed, params, cache_salt, sink, asyncio.get_running_loop())
@@ -93,7 +94,8 @@ class AsyncLLM:
                 self._commands.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The engine's load as of its last step (safe from any thread)."""
+        return self._stats
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -108,6 +110,7 @@ class AsyncLLM:
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
+                self._stats = self.engine.stats()
         except BaseException as exc:  # the engine is broken
             logger.exception("engine loop died")
             self._error = exc

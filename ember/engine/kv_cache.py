@@ -131,6 +131,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the block table, kept in step
         self.num_hashed_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -147,7 +148,8 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table (the manager's own list: read, don't keep)."""
+        return self.req_block_ids.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a request's tokens, as blocks and a token count.
@@ -195,6 +197,9 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, blocks)
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
+        ids = self.req_block_ids.setdefault(request.request_id, [])
+        ids.extend(b.block_id for b in computed_blocks)
+        ids.extend(b.block_id for b in new_blocks)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, num_total)
         return new_blocks
@@ -202,6 +207,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Returns all of a request's blocks; the last ones are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
         self.num_hashed_blocks.pop(request.request_id, None)
         self.pool.free(blocks[::-1])
 
@@ -222,6 +228,8 @@ class KVCacheManager:
                 refs[block.block_id] += 1
         for block in self.pool.blocks:
             assert refs[block.block_id] == block.ref_cnt, f"block {block.block_id} ref_cnt"
+        for request_id, blocks in self.req_blocks.items():
+            assert self.req_block_ids[request_id] == [b.block_id for b in blocks], "block table"
         return True
 
     def _update_hashes(self, request: Request) -> None:

@@ -136,56 +136,53 @@ class ModelRunner:
         return StepOutput([r.request_id for r in sampling], sampled)
 
     def _prepare(self, batch: list[ScheduledRequest], num_decodes: int):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        prefills: list[PrefillSeq] = []
-        sample_idx: list[int] = []
-        for sched in batch:
-            request, start, num = (
-                sched.request,
-                sched.request.num_computed_tokens,
-                sched.num_new_tokens,
-            )
-            input_ids += request.token_ids[start : start + num]
+        """Input ids, positions, attention metadata and the rows to sample, for a batch
+        whose first `num_decodes` entries compute one token each."""
+        bs, device = self.block_size, self.device
+        decodes, prefills = batch[:num_decodes], batch[num_decodes:]
+        positions = [s.request.num_computed_tokens for s in decodes]
+        input_ids = [s.request.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
+        slots = [
+            s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)
+        ]
+        sample_idx = [i for i, s in enumerate(decodes) if s.samples]
+        prefill_pos, prefill_slots, prefill_seqs = [], [], []
+        for sched in prefills:
+            start, num = sched.request.num_computed_tokens, sched.num_new_tokens
+            input_ids += sched.request.token_ids[start : start + num]
             pos = torch.arange(start, start + num)
             table = torch.tensor(sched.block_ids)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if num > 1:
-                prefills.append(PrefillSeq(len(input_ids) - num, num, start + num, table))
+            prefill_pos.append(pos)
+            prefill_slots.append(table[pos // bs] * bs + pos % bs)
+            prefill_seqs.append(
+                PrefillSeq(len(input_ids) - num, num, start + num, table.to(device))
+            )
             if sched.samples:
                 sample_idx.append(len(input_ids) - 1)
-        device = self.device
-        decode_table, decode_mask, decode_lens = self._decode_tables(batch[:num_decodes])
+        table, mask, lens = self._decode_tables(decodes)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(device),
+            slot_mapping=torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots]).to(
+                device
+            ),
             num_decodes=num_decodes,
-            decode_block_table=decode_table,
-            decode_mask=decode_mask,
-            decode_context_lens=decode_lens,
-            prefills=[_to_device(p, device) for p in prefills],
+            decode_block_table=table,
+            decode_mask=mask,
+            decode_context_lens=lens,
+            prefills=prefill_seqs,
         )
+        positions_t = torch.cat([torch.tensor(positions, dtype=torch.long), *prefill_pos])
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        return ids, torch.cat(positions).to(device), meta, torch.tensor(sample_idx, device=device)
+        return ids, positions_t.to(device), meta, torch.tensor(sample_idx, device=device)
 
     def _decode_tables(self, decodes: list[ScheduledRequest]):
         if not decodes:
             return None, None, None
         width = max(len(s.block_ids) for s in decodes)
-        table = torch.zeros(len(decodes), width, dtype=torch.long)
-        for i, sched in enumerate(decodes):
-            table[i, : len(sched.block_ids)] = torch.tensor(sched.block_ids)
+        table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes])
         context = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
         mask = torch.arange(width * self.block_size).unsqueeze(0) < context.unsqueeze(1)
         device = self.device
         return table.to(device), mask[:, None, None, :].to(device), context.to(device)
-
-
-def _to_device(seq: PrefillSeq, device: torch.device) -> PrefillSeq:
-    seq.block_ids = seq.block_ids.to(device)
-    return seq
 
 
 def _available_host_memory() -> int:

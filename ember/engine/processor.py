@@ -32,7 +32,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=False))
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         ids = list(prompt)
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
@@ -61,6 +61,10 @@ class InputProcessor:
                 )
             )
         return requests
+
+    def check(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
+        """Checks that the prompt and max_tokens fit the context; returns max_tokens."""
+        return self._max_tokens(len(prompt.prompt_token_ids), params)
 
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         if num_prompt_tokens == 0:
