@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.engine.attention import AttentionBackend, AttentionMetadata
+from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.models.layers import (
     Linear,
     MergedLinear,
@@ -99,13 +99,48 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        self.fused_decode: FusedDecode | None = None  # set up by pack_for_cpu
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        if self.fused_decode is not None and not meta.prefills:
+            return self.fused_decode(hidden, cos_sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+        return hidden + residual
+
+
+class FusedDecode:
+    """Decode-only steps through ember's C++ `decode_layer`: one call per layer instead of
+    ~25 Python-level ops (CPU, float32, paged CPU attention, no q/k norm)."""
+
+    def __init__(self, model: LlamaModel, kernels) -> None:
+        self.kernels = kernels
+        attn = model.layers[0].self_attn
+        self.eps = model.layers[0].input_layernorm.eps
+        self.shape = (attn.num_heads, attn.num_kv_heads)
+        self.scale = attn.scale
+        self.layers = [self._layer_args(layer) for layer in model.layers]
+
+    @staticmethod
+    def _layer_args(layer: LlamaDecoderLayer) -> tuple:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        weights = norms + [lin.weight for lin in linears]
+        return weights, [lin.packed for lin in linears], attn.qkv_proj.bias
+
+    def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        residual = hidden
+        cos, sin = cos_sin
+        for i, (weights, packed, qkv_bias) in enumerate(self.layers):
+            hidden = self.kernels.decode_layer(
+                hidden, residual, i == 0, weights, packed, qkv_bias, self.eps, *self.shape,
+                cos, sin, kv_caches[i][0], kv_caches[i][1], meta.slot_mapping,
+                meta.decode_block_table, meta.decode_context_lens, self.scale,
+            )  # fmt: skip
         return hidden + residual
 
 
@@ -139,6 +174,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+        backend = self.model.layers[0].self_attn.backend
+        if isinstance(backend, CPUPagedBackend) and not self.config.qk_norm:
+            self.model.fused_decode = FusedDecode(self.model, backend.kernels)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the parameters."""

@@ -14,6 +14,7 @@ from pathlib import Path
 logger = logging.getLogger("ember.engine")
 
 _HERE = Path(__file__).parent
+_SOURCES = ("paged_attention.cpp", "layers.cpp", "decode_layer.cpp")
 
 
 @functools.cache
@@ -25,7 +26,7 @@ def cpu_kernels():
         start = time.perf_counter()
         module = load(
             name="ember_cpu_kernels",
-            sources=[str(_HERE / "paged_attention.cpp"), str(_HERE / "layers.cpp")],
+            sources=[str(_HERE / name) for name in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -1,0 +1,78 @@
+// One whole decoder layer for a decode-only batch (one new token per sequence), in one
+// call: at decode batch sizes the ~25 Python-level ops of a layer cost a third of the
+// step, the matmuls (memory-bound) the rest. Same math as the Python path:
+//
+//   residual += hidden                 (the first layer: residual = hidden)
+//   x   = rms_norm(residual) * w_in
+//   qkv = x W_qkv^T (+ b);  rotate q, k;  store k, v at their cache slots
+//   a   = paged attention of q over each sequence's blocks
+//   residual += a W_o^T
+//   x   = rms_norm(residual) * w_post
+//   out = (silu(x W_gate^T) * x W_up^T) W_down^T       -> returned; residual updated in place
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta,
+                           torch::Tensor weight, double eps);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
+              torch::Tensor value_cache, torch::Tensor slots);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale);
+
+namespace {
+
+// oneDNN's linear on a pre-packed weight (the op torch registers as mkldnn::_linear_pointwise).
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                                            const c10::optional<torch::Tensor>&, c10::string_view,
+                                            c10::List<c10::optional<c10::Scalar>>,
+                                            c10::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::nullopt);
+}
+
+// Plain weight for one row (MKL's GEMV streams it at memory bandwidth), packed otherwise.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& packed,
+                     const c10::optional<torch::Tensor>& bias) {
+  if (packed.has_value() && x.size(0) >= 2) return packed_linear(x, *packed, bias);
+  return torch::linear(x, weight, bias);
+}
+
+}  // namespace
+
+// weights: {input_norm, post_norm, qkv, o, gate_up, down}; packed: the same four matmul
+// weights in oneDNN layout (or None); qkv_bias optional.
+torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool first,
+                           std::vector<torch::Tensor> weights,
+                           std::vector<c10::optional<torch::Tensor>> packed,
+                           c10::optional<torch::Tensor> qkv_bias, double eps,
+                           int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor slots, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(weights.size() == 6 && packed.size() == 4, "decode_layer: weights");
+  const int64_t num_seqs = hidden.size(0), head_dim = cos.size(1);
+  auto x = first ? add_rms_norm(residual, c10::nullopt, weights[0], eps)
+                 : add_rms_norm(residual, hidden, weights[0], eps);
+  auto qkv = linear(x, weights[2], packed[0], qkv_bias)
+                 .view({num_seqs, num_heads + 2 * num_kv_heads, head_dim});
+  rotary_(qkv.narrow(1, 0, num_heads + num_kv_heads), cos, sin);
+  write_kv(qkv.narrow(1, num_heads, num_kv_heads), qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+           key_cache, value_cache, slots);
+  auto attn = paged_decode_attention(qkv.narrow(1, 0, num_heads).contiguous(), key_cache,
+                                     value_cache, block_tables, context_lens, scale);
+  auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], c10::nullopt);
+  x = add_rms_norm(residual, o, weights[1], eps);
+  auto act = silu_and_mul(linear(x, weights[4], packed[2], c10::nullopt));
+  return linear(act, weights[5], packed[3], c10::nullopt);
+}
+
+void register_decode_layer(pybind11::module& m) {
+  m.def("decode_layer", &decode_layer, "one decoder layer for a decode-only batch");
+}
