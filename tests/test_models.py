@@ -48,6 +48,9 @@ def test_greedy_batch_matches_transformers(tiny_checkpoint, arch, backend):
     path = tiny_checkpoint(arch)
     _, expected = hf_reference(path, arch)
     llm = LLM(str(path), attention_backend=backend, **SMALL_KV)
+    # decode steps take the fused C++ layer where it applies, the Python layers elsewhere
+    fused = llm.engine.core.runner.model.model.fused_decode is not None
+    assert fused == (backend == "auto" and arch != "qwen3")
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
