@@ -15,6 +15,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.models.layers import (
+    PACKED_MIN_ROWS,
     Linear,
     MergedLinear,
     RMSNorm,
@@ -139,7 +140,7 @@ class FusedDecode:
             hidden = self.kernels.decode_layer(
                 hidden, residual, i == 0, weights, packed, qkv_bias, self.eps, *self.shape,
                 cos, sin, kv_caches[i][0], kv_caches[i][1], meta.slot_mapping,
-                meta.decode_block_table, meta.decode_context_lens, self.scale,
+                meta.decode_block_table, meta.decode_context_lens, self.scale, PACKED_MIN_ROWS,
             )  # fmt: skip
         return hidden + residual
 

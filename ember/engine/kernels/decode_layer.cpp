@@ -36,11 +36,12 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::nullopt);
 }
 
-// Plain weight for one row (MKL's GEMV streams it at memory bandwidth), packed otherwise.
+// Plain weight for few rows (MKL streams it at memory bandwidth), packed from
+// `packed_min_rows` rows on (see ember.models.layers.Linear).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& packed,
-                     const c10::optional<torch::Tensor>& bias) {
-  if (packed.has_value() && x.size(0) >= 2) return packed_linear(x, *packed, bias);
+                     const c10::optional<torch::Tensor>& bias, int64_t packed_min_rows) {
+  if (packed.has_value() && x.size(0) >= packed_min_rows) return packed_linear(x, *packed, bias);
   return torch::linear(x, weight, bias);
 }
 
@@ -55,22 +56,22 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
                            int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor slots, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale) {
+                           torch::Tensor context_lens, double scale, int64_t packed_min_rows) {
   TORCH_CHECK(weights.size() == 6 && packed.size() == 4, "decode_layer: weights");
   const int64_t num_seqs = hidden.size(0), head_dim = cos.size(1);
   auto x = first ? add_rms_norm(residual, c10::nullopt, weights[0], eps)
                  : add_rms_norm(residual, hidden, weights[0], eps);
-  auto qkv = linear(x, weights[2], packed[0], qkv_bias)
+  auto qkv = linear(x, weights[2], packed[0], qkv_bias, packed_min_rows)
                  .view({num_seqs, num_heads + 2 * num_kv_heads, head_dim});
   rotary_(qkv.narrow(1, 0, num_heads + num_kv_heads), cos, sin);
   write_kv(qkv.narrow(1, num_heads, num_kv_heads), qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            key_cache, value_cache, slots);
   auto attn = paged_decode_attention(qkv.narrow(1, 0, num_heads).contiguous(), key_cache,
                                      value_cache, block_tables, context_lens, scale);
-  auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], c10::nullopt);
+  auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], c10::nullopt, packed_min_rows);
   x = add_rms_norm(residual, o, weights[1], eps);
-  auto act = silu_and_mul(linear(x, weights[4], packed[2], c10::nullopt));
-  return linear(act, weights[5], packed[3], c10::nullopt);
+  auto act = silu_and_mul(linear(x, weights[4], packed[2], c10::nullopt, packed_min_rows));
+  return linear(act, weights[5], packed[3], c10::nullopt, packed_min_rows);
 }
 
 void register_decode_layer(pybind11::module& m) {
