@@ -4,7 +4,8 @@ Scenarios (all greedy, ignore_eos, prefix caching off so every prompt is compute
 - throughput: N prompts of ~P tokens, G new tokens each, all submitted at once;
 - prefill: prompt tokens/s on the same prompts with one new token each;
 - latency: one 286-token prompt: time to first token, then ms per decoded token;
-- concurrent-4: 4 prompts of 286 tokens, 64 new tokens each (the issue's vLLM bar).
+- concurrent-4: 4 prompts of 286 tokens, 64 new tokens each (the issue's vLLM bar);
+  the latency scenarios report the median of `--repeats` runs.
 `--compare-hf` runs transformers' batched generate on the throughput workload too.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -29,6 +31,7 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers.generate")
     parser.add_argument("--skip-throughput", action="store_true", help="only latency scenarios")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each latency scenario")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -68,15 +71,17 @@ def bench_ember(llm, args) -> dict:
             total_tokens_per_s=(num_out + num_prompt) / seconds,
         )
     prompt = random_prompts(1, 286, vocab, seed=2, spread=0)
-    ttft, _ = _timed(llm, prompt, 1)
-    total, _ = _timed(llm, prompt, 64)
-    results["latency"] = dict(
-        prefill_286_s=ttft,
-        decode_ms_per_token=(total - ttft) / 63 * 1e3,
-        decode_tokens_per_s=63 / (total - ttft),
-    )
     four = random_prompts(4, 286, vocab, seed=3, spread=0)
-    seconds, _ = _timed(llm, four, 64)
+    runs = []
+    for _ in range(args.repeats):  # medians: single runs on a small box vary by ~10%
+        ttft, _ = _timed(llm, prompt, 1)
+        total, _ = _timed(llm, prompt, 64)
+        seconds, _ = _timed(llm, four, 64)
+        runs.append((ttft, (total - ttft) / 63, seconds))
+    ttft, per_token, seconds = (statistics.median(r[i] for r in runs) for i in range(3))
+    results["latency"] = dict(
+        prefill_286_s=ttft, decode_ms_per_token=per_token * 1e3, decode_tokens_per_s=1 / per_token
+    )
     results["concurrent_4"] = dict(seconds=seconds, output_tokens_per_s=4 * 64 / seconds)
     return results
 
