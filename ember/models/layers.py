@@ -66,6 +66,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """y = x W^T (+ b); W is [out_features, in_features] like Hugging Face's.
 
+    Decode batches of up to SMALL_GEMM_MAX_ROWS rows use ember's AVX-512 small GEMM,
+    which streams W once (4 rows: 18% faster than oneDNN, 1 row: 8% faster than MKL).
     On CPU, `pack_for_cpu()` (called once after loading) adds a copy of W in oneDNN's
     blocked layout for inputs of PACKED_MIN_ROWS rows or more: there MKL's GEMM re-packs
     W on every call (a 4-sequence decode step ran 1.25x slower), while for one or two rows
@@ -77,17 +79,26 @@ class Linear(nn.Module):
         self.weight = new_param(out_features, in_features)
         self.bias = new_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None
+        self.small_gemm = None  # ember's AVX-512 kernel for 1-8 rows, when it applies
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+        rows = x.shape[0]
+        if self.small_gemm is not None and rows <= SMALL_GEMM_MAX_ROWS:
+            return self.small_gemm(x.contiguous(), self.weight, self.bias)
+        if self.packed is not None and rows >= PACKED_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        kernels = cpu_kernels_for(self.weight)
+        out_features, in_features = self.weight.shape
+        if kernels is not None and kernels.small_gemm_supported(1, in_features, out_features):
+            self.small_gemm = kernels.small_gemm
 
 
 PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
+SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 logger = logging.getLogger("ember.engine")
 
 _HERE = Path(__file__).parent
-_SOURCES = ("paged_attention.cpp", "layers.cpp", "decode_layer.cpp")
+_SOURCES = ("paged_attention.cpp", "layers.cpp", "decode_layer.cpp", "small_gemm.cpp")
 
 
 @functools.cache

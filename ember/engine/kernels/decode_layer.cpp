@@ -18,6 +18,8 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slots);
+bool small_gemm_supported(int64_t rows, int64_t in_features, int64_t out_features);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
@@ -36,11 +38,13 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::nullopt);
 }
 
-// Plain weight for few rows (MKL streams it at memory bandwidth), packed from
-// `packed_min_rows` rows on (see ember.models.layers.Linear).
+// The same choice as ember.models.layers.Linear: ember's small GEMM for decode batches,
+// oneDNN's packed weight from `packed_min_rows` rows on, else MKL on the plain weight.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& packed,
                      const c10::optional<torch::Tensor>& bias, int64_t packed_min_rows) {
+  if (small_gemm_supported(x.size(0), weight.size(1), weight.size(0)))
+    return small_gemm(x.contiguous(), weight, bias);
   if (packed.has_value() && x.size(0) >= packed_min_rows) return packed_linear(x, *packed, bias);
   return torch::linear(x, weight, bias);
 }

@@ -94,10 +94,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
 
 void register_layer_kernels(pybind11::module& m);  // layers.cpp
 void register_decode_layer(pybind11::module& m);   // decode_layer.cpp
+void register_small_gemm(pybind11::module& m);     // small_gemm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32)");
   register_layer_kernels(m);
   register_decode_layer(m);
+  register_small_gemm(m);
 }

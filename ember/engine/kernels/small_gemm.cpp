@@ -1,0 +1,85 @@
+// y = x W^T for a handful of rows of x (decode of 2-8 sequences), float32, AVX-512.
+//
+// A decode step is memory-bound: every weight must be read once, and that read is the
+// whole cost. General GEMMs (MKL, oneDNN) pay packing or blocking overheads sized for
+// large M; here each group of 4 weight rows is streamed once, 16 floats at a time, into
+// M x 4 vector accumulators held in registers (x stays in L1), then reduced:
+//
+//            k ->  [16 floats]
+//   W rows j..j+3  w0 w1 w2 w3          acc[m][r] += x[m][k:k+16] * w_r[k:k+16]
+//   x rows 0..M-1  x0 .. x(M-1)         y[m][j+r]  = sum(acc[m][r])
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+namespace {
+
+template <int M>
+void rows_of_four(const float* x, const float* w, float* y, int64_t k_dim, int64_t n_dim,
+                  int64_t j) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  const float* w0 = w + j * k_dim;
+  for (int64_t k = 0; k < k_dim; k += 16) {
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = _mm512_loadu_ps(w0 + r * k_dim + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * k_dim + k);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < 4; ++r) y[m * n_dim + j + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int M>
+void small_gemm_m(const float* x, const float* w, float* y, int64_t k_dim, int64_t n_dim) {
+  at::parallel_for(0, n_dim / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) rows_of_four<M>(x, w, y, k_dim, n_dim, g * 4);
+  });
+}
+
+}  // namespace
+
+bool small_gemm_supported(int64_t rows, int64_t in_features, int64_t out_features) {
+  return rows >= 1 && rows <= 8 && in_features % 16 == 0 && out_features % 4 == 0;
+}
+
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "small_gemm: float32");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_gemm: contiguous");
+  const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
+  TORCH_CHECK(small_gemm_supported(rows, k_dim, n_dim) && weight.size(1) == k_dim,
+              "small_gemm: 1-8 rows, in_features % 16 == 0, out_features % 4 == 0");
+  auto y = torch::empty({rows, n_dim}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (rows) {
+    case 1: small_gemm_m<1>(xp, wp, yp, k_dim, n_dim); break;
+    case 2: small_gemm_m<2>(xp, wp, yp, k_dim, n_dim); break;
+    case 3: small_gemm_m<3>(xp, wp, yp, k_dim, n_dim); break;
+    case 4: small_gemm_m<4>(xp, wp, yp, k_dim, n_dim); break;
+    case 5: small_gemm_m<5>(xp, wp, yp, k_dim, n_dim); break;
+    case 6: small_gemm_m<6>(xp, wp, yp, k_dim, n_dim); break;
+    case 7: small_gemm_m<7>(xp, wp, yp, k_dim, n_dim); break;
+    default: small_gemm_m<8>(xp, wp, yp, k_dim, n_dim); break;
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+#else
+bool small_gemm_supported(int64_t, int64_t, int64_t) { return false; }
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "small_gemm: built without AVX-512");
+  return x;
+}
+#endif
+
+void register_small_gemm(pybind11::module& m) {
+  m.def("small_gemm", &small_gemm, "x W^T (+ b) for 1-8 rows of x (AVX-512)");
+  m.def("small_gemm_supported", &small_gemm_supported, "whether small_gemm takes these shapes");
+}
