@@ -349,6 +349,6 @@ def test_check_integrity_catches_a_stale_hash_map():
 
 def test_check_integrity_catches_a_block_table_entry_without_a_reference():
     kv, _ = _busy_manager()
-    kv.req_blocks["ghost"] = [kv.pool.blocks[kv.block_ids("b")[0]]]
+    kv.req_block_ids["ghost"] = [kv.block_ids("b")[0]]
     with pytest.raises(AssertionError):
         kv.check_integrity()

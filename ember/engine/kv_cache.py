@@ -130,8 +130,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}  # the block table, kept in step
+        self.req_block_ids: dict[str, list[int]] = {}  # each request's block table
         self.num_hashed_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -148,7 +147,7 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (the manager's own list: read, don't keep)."""
+        """The request's block table (the manager's own list: read it, don't change it)."""
         return self.req_block_ids.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -185,31 +184,27 @@ class KVCacheManager:
         `computed_blocks` are prefix-cache hits for a request being admitted; on success
         they join its block table ahead of the new blocks.
         """
-        blocks = self.req_blocks.get(request.request_id, [])
+        ids = self.req_block_ids.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_needed = -(-num_total // self.block_size) - len(blocks) - len(computed_blocks)
+        num_needed = -(-num_total // self.block_size) - len(ids) - len(computed_blocks)
         num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_reclaimed:
             return None
         self.pool.touch(computed_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0))
-        blocks = self.req_blocks.setdefault(request.request_id, blocks)
-        blocks.extend(computed_blocks)
-        blocks.extend(new_blocks)
-        ids = self.req_block_ids.setdefault(request.request_id, [])
+        ids = self.req_block_ids.setdefault(request.request_id, ids)
         ids.extend(b.block_id for b in computed_blocks)
         ids.extend(b.block_id for b in new_blocks)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, blocks, num_total)
+            self._cache_full_blocks(request, ids, num_total)
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Returns all of a request's blocks; the last ones are evicted first."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.req_block_ids.pop(request.request_id, None)
+        ids = self.req_block_ids.pop(request.request_id, [])
         self.num_hashed_blocks.pop(request.request_id, None)
-        self.pool.free(blocks[::-1])
+        self.pool.free([self.pool.blocks[i] for i in reversed(ids)])
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; only possible while no block is in use."""
@@ -223,13 +218,11 @@ class KVCacheManager:
     def check_integrity(self) -> bool:
         self.pool.check_integrity()
         refs = [0] * self.pool.num_blocks
-        for blocks in self.req_blocks.values():
-            for block in blocks:
-                refs[block.block_id] += 1
+        for ids in self.req_block_ids.values():
+            for block_id in ids:
+                refs[block_id] += 1
         for block in self.pool.blocks:
             assert refs[block.block_id] == block.ref_cnt, f"block {block.block_id} ref_cnt"
-        for request_id, blocks in self.req_blocks.items():
-            assert self.req_block_ids[request_id] == [b.block_id for b in blocks], "block table"
         return True
 
     def _update_hashes(self, request: Request) -> None:
@@ -241,9 +234,7 @@ class KVCacheManager:
             parent = hash_block(parent, request.token_ids[start : start + self.block_size])
             hashes.append(parent)
 
-    def _cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> None:
+    def _cache_full_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
         """Registers the blocks that `num_tokens` fill (their KV is computed this step)."""
         start = self.num_hashed_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
@@ -251,5 +242,5 @@ class KVCacheManager:
             return
         self._update_hashes(request)
         for i in range(start, end):
-            self.pool.cache(blocks[i], request.block_hashes[i])
+            self.pool.cache(self.pool.blocks[block_ids[i]], request.block_hashes[i])
         self.num_hashed_blocks[request.request_id] = end

@@ -66,12 +66,12 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """y = x W^T (+ b); W is [out_features, in_features] like Hugging Face's.
 
-    Decode batches of up to SMALL_GEMM_MAX_ROWS rows use ember's AVX-512 small GEMM,
-    which streams W once (4 rows: 18% faster than oneDNN, 1 row: 8% faster than MKL).
-    On CPU, `pack_for_cpu()` (called once after loading) adds a copy of W in oneDNN's
-    blocked layout for inputs of PACKED_MIN_ROWS rows or more: there MKL's GEMM re-packs
-    W on every call (a 4-sequence decode step ran 1.25x slower), while for one or two rows
-    MKL streams W at memory bandwidth and beats oneDNN. The copy costs W's size again.
+    On CPU, `pack_for_cpu()` (called once after loading) picks the matmul by batch rows:
+    - up to SMALL_GEMM_MAX_ROWS (decode): ember's AVX-512 small GEMM, which streams W
+      once (measured: 18% faster than oneDNN at 4 rows, 8% faster than MKL at 1);
+    - PACKED_MIN_ROWS and up (prefill): oneDNN on a packed copy of W, which costs W's
+      size again; MKL's GEMM re-packs W on every call;
+    - otherwise, and off CPU: F.linear. The C++ decode layer makes the same choice.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
