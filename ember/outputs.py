@@ -36,6 +36,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds the request waited in the core before running
 
     @property
     def finished(self) -> bool:

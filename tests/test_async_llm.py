@@ -77,6 +77,19 @@ def test_shutdown_fails_live_requests_instead_of_hanging(async_llm):
 
     asyncio.run(main())
     assert async_llm.dead
-    assert (
-        async_llm.engine.core.kv_cache.num_free_blocks == async_llm.engine.core.kv_cache.num_blocks
-    )
+    assert async_llm.client.process.returncode == 0  # the core aborted its work and exited
+
+
+def test_a_killed_engine_core_fails_live_and_new_requests(async_llm):
+    async def main():
+        stream = async_llm.generate(PROMPT, SamplingParams(max_tokens=900, ignore_eos=True))
+        await stream.__anext__()
+        async_llm.client.process.kill()
+        with pytest.raises(EngineDeadError, match="exited"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(async_llm, PROMPT, GREEDY)
+
+    asyncio.run(main())
+    assert async_llm.dead

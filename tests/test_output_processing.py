@@ -91,10 +91,10 @@ def core_out(ids, finish=None, rid="req", logprobs=None) -> EngineCoreOutput:
     return EngineCoreOutput(rid, list(ids), logprobs, finish, 0)
 
 
-def start(tokenizer, params: SamplingParams, core_ids=("req",)) -> OutputProcessor:
+def start(tokenizer, params: SamplingParams) -> OutputProcessor:
     processor = OutputProcessor(tokenizer)
     prompt = ProcessedPrompt("Hi", encode(tokenizer, "Hi"))
-    processor.add_request("req", prompt, params, list(core_ids))
+    processor.add_request("req", prompt, params)
     return processor
 
 
@@ -188,7 +188,7 @@ def test_stop_reason_names_the_stop_token_but_not_eos(tokenizer, stop_token_ids,
 
 
 def test_stop_string_in_one_of_n_sequences_aborts_only_that_one(tokenizer):
-    processor = start(tokenizer, SamplingParams(n=2, stop=["beta"]), ["req#0", "req#1"])
+    processor = start(tokenizer, SamplingParams(n=2, stop=["beta"]))
     ids0 = encode(tokenizer, "alpha beta gamma")
     ids1 = encode(tokenizer, "alpha gamma")
     (output,), to_abort = processor.process(

@@ -1,11 +1,15 @@
-"""An asyncio interface that streams each request's outputs step by step.
+"""An asyncio frontend that streams each request's outputs, the engine core in its own process.
 
-The engine runs in one background thread that owns it; coroutines talk to that thread
-through a command queue and get outputs back through one asyncio queue per request.
-Life cycle: `AsyncLLM(...)` loads the model and starts the thread; `generate()` yields a
-RequestOutput per step (with `delta_*` fields) until the request finishes; leaving the
-iterator early (client gone, task cancelled) aborts the request and frees its blocks;
-`shutdown()` aborts what is left and stops the thread.
+The frontend tokenizes and checks requests (InputProcessor), sends them to the engine
+core process (EngineCoreClient, ZeroMQ), and turns the core's token ids back into text
+(OutputProcessor) in a reader thread, so neither HTTP work nor detokenization ever
+stalls the engine loop, and the event loop never waits on the engine.
+
+Life cycle: `AsyncLLM(...)` starts the core and waits until it is ready; `generate()`
+yields a RequestOutput per engine step (with `delta_*` fields) until the request
+finishes; leaving the iterator early (client gone, task cancelled) aborts the request and
+frees its blocks; if the core dies every live request fails with EngineDeadError;
+`shutdown()` stops the core and the reader.
 """
 
 from __future__ import annotations
@@ -13,142 +17,173 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ember.config import EngineConfig
-from ember.engine.core import EngineStats
-from ember.engine.llm_engine import LLMEngine
-from ember.engine.processor import ProcessedPrompt
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.core_client import EngineCoreClient, EngineDeadError
+from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineStats
+from ember.engine.output_processor import OutputProcessor
+from ember.engine.processor import InputProcessor, ProcessedPrompt
+from ember.loader.checkpoint import open_checkpoint
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError"]
 
 logger = logging.getLogger("ember.engine")
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt: ProcessedPrompt
-    params: SamplingParams
-    cache_salt: str | None
-    sink: asyncio.Queue
+class _Sink:
+    queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
 
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, **options) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
-        self.tokenizer = self.engine.tokenizer
-        self._commands: queue.Queue = queue.Queue()
-        self._sinks: dict[str, _Add] = {}
+        from ember.loader.default_models import resolve_model
+
+        config = EngineConfig(model=str(resolve_model(model)), **options)
+        checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
+        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+        self.tokenizer = checkpoint.tokenizer()
+        self.client = EngineCoreClient(config)
+        self.max_model_len = self.client.ready.max_model_len
+        self.input_processor = InputProcessor.for_model(
+            self.tokenizer, self.model_config, self.max_model_len
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()  # guards the output processor and the sinks
+        self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
-        self._error: BaseException | None = None
+        self._num_sent = 0
+        self._error: EngineDeadError | None = None
         self._stopping = False
-        self._stats = self.engine.stats()  # published by the engine thread after each step
-        self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
-        self._thread.start()
+        blocks = self.client.ready.num_kv_blocks
+        self._stats = EngineStats(0, 0, 0, 0, blocks, 0, 0)
+        self._reader = threading.Thread(target=self._read_loop, name="ember-output", daemon=True)
+        self._reader.start()
 
     @property
     def dead(self) -> bool:
-        return not self._thread.is_alive()
+        return self._error is not None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted by the core, counting those still on the way to it."""
+        stats = self._stats
+        return stats.num_waiting + max(self._num_sent - stats.num_requests_received, 0)
+
+    def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
+        return self.input_processor.tokenize(prompt)
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | ProcessedPrompt,
         params: SamplingParams,
         request_id: str | None = None,
+        *,
         cache_salt: str | None = None,
+        session_id: str | None = None,
+        grammar: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; raises ValueError for bad input before any."""
-        if self.dead:
-            raise EngineDeadError(f"engine loop has stopped: {self._error!r}")
+        if self._error is not None:
+            raise self._error
         request_id = request_id or f"req-{next(self._ids)}"
-        processed = self.engine.process_prompt(prompt)
-        self.engine.input_processor.check(processed, params)
-        sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(
-            _Add(request_id, processed, params, cache_salt, sink, asyncio.get_running_loop())
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = self.process_prompt(prompt)
+        core_request = self.input_processor.process(
+            request_id, prompt, params, cache_salt, session_id, grammar
         )
+        sink = _Sink(asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._sinks:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.output_processor.add_request(request_id, prompt, params)
+            self._sinks[request_id] = sink
         finished = False
         try:
+            self._num_sent += 1
+            self.client.send(core_request)
             while not finished:
-                item = await sink.get()
+                item = await sink.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item
         finally:
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._sinks.pop(request_id, None)
+            live = self.output_processor.abort(request_id)
+        if live and self.client.alive:
+            self.client.send(AbortRequests([request_id]))
+
+    def fail_all(self, message: str) -> None:
+        """Ends every live request with an error (e.g. the server is shutting down)."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            for request_id in sinks:
+                self.output_processor.abort(request_id)
+        if sinks and self.client.alive:
+            self.client.send(AbortRequests(list(sinks)))
+        for sink in sinks.values():
+            sink.put(EngineDeadError(message))
 
     def stats(self) -> EngineStats:
-        """The engine's load as of its last step (safe from any thread)."""
+        """The engine's load as of its last message (safe from any thread)."""
         return self._stats
 
     def shutdown(self) -> None:
+        self.fail_all("engine has shut down")
         self._stopping = True
-        self._commands.put(None)
-        self._thread.join(timeout=30)
+        self._reader.join(timeout=5)
+        self.client.shutdown()
+        if self._error is None:
+            self._error = EngineDeadError("engine has shut down")
 
-    # -- the engine thread --------------------------------------------------------------
+    # -- the reader thread --------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _read_loop(self) -> None:
         try:
             while not self._stopping:
-                self._drain_commands(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
-                self._stats = self.engine.stats()
-        except BaseException as exc:  # the engine is broken
-            logger.exception("engine loop died")
+                message = self.client.recv(timeout_ms=100)
+                if isinstance(message, EngineCoreOutputs):
+                    self._deliver(message)
+        except EngineDeadError as exc:
+            logger.error("%s", exc)
             self._error = exc
-        finally:  # fail every live request, free its blocks
-            error = EngineDeadError(repr(self._error) if self._error else "engine shut down")
-            for request_id, add in list(self._sinks.items()):
-                add.loop.call_soon_threadsafe(add.sink.put_nowait, error)
-                self.engine.abort_request(request_id)
-            self._sinks.clear()
+            self.fail_all(str(exc))
+        except Exception as exc:  # a bug here must not leave requests hanging
+            logger.exception("output processing failed")
+            self._error = EngineDeadError(f"output processing failed: {exc!r}")
+            self.fail_all(str(self._error))
 
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(block=block)
-            while True:
-                self._apply(command)
-                command = self._commands.get_nowait()
-        except queue.Empty:
-            pass
-
-    def _apply(self, command) -> None:
-        if command is None:
-            self._stopping = True
-        elif isinstance(command, _Add):
-            try:
-                self.engine.add_request(
-                    command.request_id, command.prompt, command.params, command.cache_salt
-                )
-                self._sinks[command.request_id] = command
-            except ValueError as exc:
-                command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
-        elif isinstance(command, _Abort) and self._sinks.pop(command.request_id, None):
-            self.engine.abort_request(command.request_id)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            add = self._sinks.get(output.request_id)
-            if add is None:
-                continue
-            if output.finished:
-                del self._sinks[output.request_id]
-            add.loop.call_soon_threadsafe(add.sink.put_nowait, output)
+    def _deliver(self, message: EngineCoreOutputs) -> None:
+        with self._lock:
+            outputs, stopped = self.output_processor.process(message.outputs)
+            self._stats = message.stats
+            for error in message.errors:
+                sink = self._sinks.pop(error.request_id, None)
+                self.output_processor.abort(error.request_id)
+                if sink is not None:
+                    sink.put(ValueError(error.message))
+            for output in outputs:
+                sink = self._sinks.get(output.request_id)
+                if sink is None:
+                    continue
+                if output.finished:
+                    del self._sinks[output.request_id]
+                sink.put(output)
+        if stopped:
+            self.client.send(AbortRequests(stopped))

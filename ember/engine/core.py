@@ -3,43 +3,29 @@
 Knows token ids only (no text, no HTTP). Life cycle: built once (loads the model,
 sizes and allocates the KV cache), then `add_request` / `abort_requests` at any time
 and `step()` in a loop while `has_unfinished()`; each step returns the new tokens of
-every request that got one, and marks those that finished.
+every sequence that got one, and marks those that finished. A user request with n > 1
+runs as n sequences `{id}#{i}`; each after the first waits for the first's prompt
+blocks and shares them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import replace
+
+import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.kv_cache import KVCacheManager
+from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
-from ember.loader.checkpoint import Checkpoint
+from ember.engine.structured_output import GrammarCompiler, GrammarMatcher
+from ember.loader.checkpoint import Checkpoint, open_checkpoint
 
 logger = logging.getLogger("ember.engine")
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    num_cached_tokens: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    num_queued_prefill_tokens: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 class EngineCore:
@@ -64,14 +50,74 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
         )
+        self.checkpoint = checkpoint
+        self._grammars: GrammarCompiler | None = None
+        self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
+        self.num_requests_received = 0
         logger.info("engine ready in %.2f s", time.perf_counter() - start)
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add(request)
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        """Opens the checkpoint `config.model` names (fetching the default model if needed)."""
+        from ember.loader.default_models import resolve_model
+
+        torch.manual_seed(config.seed)
+        checkpoint = open_checkpoint(resolve_model(config.model))
+        return cls(config, ModelConfig.from_hf(checkpoint.hf_config), checkpoint)
+
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queues a request's sequences; a ValueError leaves nothing queued."""
+        self.num_requests_received += 1
+        if core_request.request_id in self._sequence_ids:
+            raise ValueError(f"request_id {core_request.request_id!r} is already in use")
+        requests = self._make_requests(core_request)
+        self._sequence_ids[core_request.request_id] = [r.request_id for r in requests]
+        for request in requests:
+            self.scheduler.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Ends user requests (all their sequences) or single sequences, at any moment."""
         for request_id in request_ids:
-            self.scheduler.abort(request_id)
+            for sequence_id in self._sequence_ids.get(request_id, [request_id]):
+                self.scheduler.abort(sequence_id)
+            self._forget(request_id)
+
+    def _make_requests(self, core_request: EngineCoreRequest) -> list[Request]:
+        params = core_request.params
+        requests: list[Request] = []
+        for i in range(params.n):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                seq_params = replace(params, seed=params.seed + i)
+            request_id = core_request.request_id
+            requests.append(
+                Request(
+                    request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                    prompt_token_ids=core_request.prompt_token_ids,
+                    sampling_params=seq_params,
+                    max_tokens=core_request.max_tokens,
+                    eos_token_ids=frozenset(core_request.eos_token_ids),
+                    cache_salt=core_request.cache_salt,
+                    wait_for=requests[0] if requests else None,
+                    grammar=self._matcher(core_request.grammar),
+                )
+            )
+        return requests
+
+    def _matcher(self, grammar: str | None) -> GrammarMatcher | None:
+        if grammar is None:
+            return None
+        if self._grammars is None:
+            tokenizer = self.checkpoint.tokenizer()
+            self._grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size)
+        return self._grammars.matcher(grammar)
+
+    def _forget(self, sequence_id: str) -> None:
+        """Drops a user request's entry once none of its sequences is live."""
+        user_id = sequence_id.rpartition("#")[0] or sequence_id
+        ids = self._sequence_ids.get(user_id, ())
+        if not any(i in self.scheduler.requests for i in ids):
+            self._sequence_ids.pop(user_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -88,6 +134,7 @@ class EngineCore:
         for update in updated:
             request = update.request
             entry = logprobs[request.request_id]
+            first = request.num_output_tokens == len(update.new_token_ids)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -95,8 +142,11 @@ class EngineCore:
                     new_logprobs=None if entry is None else [entry],
                     finish_reason=request.status.value if request.status.finished else None,
                     num_cached_tokens=request.num_cached_tokens,
+                    queue_time=_queue_time(request) if first else None,
                 )
             )
+            if request.status.finished:
+                self._forget(request.request_id)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -113,7 +163,14 @@ class EngineCore:
             kv_blocks_total=self.kv_cache.num_blocks,
             prefix_cache_queries=self.kv_cache.stats.queries,
             prefix_cache_hits=self.kv_cache.stats.hits,
+            num_requests_received=self.num_requests_received,
         )
+
+
+def _queue_time(request: Request) -> float | None:
+    if request.first_scheduled_time is None:
+        return None
+    return request.first_scheduled_time - request.arrival_time
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

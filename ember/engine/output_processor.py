@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ember.engine.core import EngineCoreOutput
 from ember.engine.detokenizer import IncrementalDetokenizer
+from ember.engine.messages import EngineCoreOutput
 from ember.engine.processor import ProcessedPrompt
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling_params import SamplingParams
@@ -84,6 +84,7 @@ class RequestState:
     prompt: ProcessedPrompt
     seqs: list[SequenceState]
     num_cached_tokens: int = 0
+    queue_time: float | None = None
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -92,6 +93,7 @@ class RequestState:
             prompt_token_ids=self.prompt.prompt_token_ids,
             outputs=[s.take_delta() for s in self.seqs],
             num_cached_tokens=self.num_cached_tokens,
+            queue_time=self.queue_time,
         )
 
 
@@ -103,9 +105,8 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.core_ids: dict[str, tuple[RequestState, int]] = {}
 
-    def add_request(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, core_ids: list[str]
-    ) -> None:
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         seqs = [
             SequenceState(i, self.tokenizer, prompt.prompt_token_ids, params)
             for i in range(len(core_ids))
@@ -126,6 +127,8 @@ class OutputProcessor:
             state, index = entry
             if index == 0:
                 state.num_cached_tokens = max(core.num_cached_tokens, 0)
+                if core.queue_time is not None:
+                    state.queue_time = core.queue_time
             if state.seqs[index].add(core):
                 to_abort.append(core.request_id)
             if state.seqs[index].output.finished:
@@ -138,12 +141,11 @@ class OutputProcessor:
                 del self.requests[state.request_id]
         return results, to_abort
 
-    def abort(self, request_id: str) -> list[str]:
-        """Forgets a request; returns the core ids still to abort in the core."""
+    def abort(self, request_id: str) -> bool:
+        """Forgets a request; True if it was live (the core must abort it too)."""
         state = self.requests.pop(request_id, None)
         if state is None:
-            return []
-        ids = [cid for cid, (s, _) in self.core_ids.items() if s is state]
-        for cid in ids:
+            return False
+        for cid in [cid for cid, (s, _) in self.core_ids.items() if s is state]:
             del self.core_ids[cid]
-        return ids
+        return True

@@ -1,15 +1,15 @@
-"""Input side of the frontend: validates a prompt and its parameters, builds core requests.
+"""Input side of the frontend: validates a prompt and its parameters for the core.
 
 Runs where the tokenizer lives (the API process in a server); the engine core gets
-token ids and checked parameters only. A request with n > 1 becomes n core requests
-`{id}#{i}`; each after the first waits for the first's prompt blocks and shares them.
+token ids and checked parameters only, as one `EngineCoreRequest`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from ember.engine.request import Request
+from ember.config import ModelConfig
+from ember.engine.messages import EngineCoreRequest
 from ember.sampling_params import SamplingParams
 
 
@@ -28,6 +28,14 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
 
+    @classmethod
+    def for_model(cls, tokenizer, model_config: ModelConfig, max_model_len: int) -> InputProcessor:
+        """EOS ids are the model config's plus the tokenizer's own."""
+        eos = set(model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        return cls(tokenizer, model_config.vocab_size, max_model_len, frozenset(eos))
+
     def tokenize(self, prompt: str | list[int]) -> ProcessedPrompt:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -38,29 +46,26 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return ProcessedPrompt(None, ids)
 
-    def make_requests(
+    def process(
         self,
         request_id: str,
         prompt: ProcessedPrompt,
         params: SamplingParams,
         cache_salt: str | None = None,
-    ) -> list[Request]:
-        """Core requests for one user request (n of them), after checking lengths."""
-        max_tokens = self._max_tokens(len(prompt.prompt_token_ids), params)
-        if params.n == 1:
-            return [self._request(request_id, prompt, params, max_tokens, cache_salt, None)]
-        requests: list[Request] = []
-        for i in range(params.n):
-            child_params = params
-            if params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)
-            first = requests[0] if requests else None
-            requests.append(
-                self._request(
-                    f"{request_id}#{i}", prompt, child_params, max_tokens, cache_salt, first
-                )
-            )
-        return requests
+        session_id: str | None = None,
+        grammar: str | None = None,
+    ) -> EngineCoreRequest:
+        """The message for the core, after checking that prompt and max_tokens fit."""
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.prompt_token_ids,
+            params=params,
+            max_tokens=self.check(prompt, params),
+            eos_token_ids=sorted(self.eos_token_ids),
+            cache_salt=cache_salt,
+            session_id=session_id,
+            grammar=grammar,
+        )
 
     def check(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
         """Checks that the prompt and max_tokens fit the context; returns max_tokens."""
@@ -83,14 +88,3 @@ class InputProcessor:
                 f"tokens exceeds max_model_len={self.max_model_len}"
             )
         return params.max_tokens
-
-    def _request(self, request_id, prompt, params, max_tokens, cache_salt, wait_for):
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            sampling_params=params,
-            max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            cache_salt=cache_salt,
-            wait_for=wait_for,
-        )

@@ -19,10 +19,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ember.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ember.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +51,8 @@ class Request:
     cache_salt: str | None = None
     # n > 1: a sibling whose prompt blocks this request waits for, to share them.
     wait_for: Request | None = None
+    # grammar-constrained decoding: the sampler masks to what this allows (structured_output)
+    grammar: GrammarMatcher | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -57,6 +63,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV-cache manager
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         self.generator: torch.Generator | None = None
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
@@ -80,6 +87,8 @@ class Request:
     def append_token(self, token_id: int, max_model_len: int) -> RequestStatus | None:
         """Adds a sampled token; returns the finished status if it ends the request."""
         self.token_ids.append(token_id)
+        if self.grammar is not None and self.grammar.accept(token_id):
+            return RequestStatus.FINISHED_STOPPED
         params = self.sampling_params
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED

@@ -1,10 +1,10 @@
 """Turning a batch of logits into one token per sequence.
 
 Order of operations per row: penalties (repetition over prompt and output, presence and
-frequency over output), then greedy argmax or temperature -> top-k -> top-p -> min-p ->
-a draw. Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples from
-p exactly; a seeded request draws its noise from its own generator only, so its output
-does not depend on what else is in the batch.
+frequency over output), the grammar mask of a constrained request, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> a draw. Draws use the exponential race (argmax
+of p / E, E ~ Exp(1)), which samples from p exactly; a seeded request draws its noise from
+its own generator only, so its output does not depend on what else is in the batch.
 
 Log-probabilities returned are the model's own (log-softmax of the raw logits).
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.engine.request import Request
+from ember.engine.structured_output import apply_grammars
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(r.sampling_params.has_penalties for r in requests):
             logits = apply_penalties(logits, requests)
+        logits = apply_grammars(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:

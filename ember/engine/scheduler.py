@@ -11,6 +11,7 @@ makes progress, so there is neither deadlock nor starvation.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -136,6 +137,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.monotonic()
                 self.kv_cache.record_admission(request, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -1,0 +1,116 @@
+"""The frontend's handle on an engine core process: start it, send it messages, read back.
+
+Life cycle: `EngineCoreClient(config)` binds two ipc sockets in a private temporary
+directory, starts `python -m ember.engine.core_proc` and waits for `EngineReady`
+(raising `EngineDeadError` with the core's message if loading failed). `send()` may be
+called from any thread (a lock guards the socket); `recv()` is for one reader thread.
+`shutdown()` asks the core to stop, waits, kills it if it must, and removes the sockets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import msgspec
+import zmq
+
+from ember.config import EngineConfig
+from ember.engine.messages import EngineFailed, EngineInput, EngineOutput, EngineReady, Shutdown
+
+logger = logging.getLogger("ember.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core has stopped; no request can be served."""
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ember-core-")
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
+        self._input.bind(f"ipc://{self._dir}/input")
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(f"ipc://{self._dir}/output")
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineOutput)
+        self._closed = False
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ember.engine.core_proc",
+                "--config",
+                msgspec.json.encode(config).decode(),
+                "--input",
+                f"ipc://{self._dir}/input",
+                "--output",
+                f"ipc://{self._dir}/output",
+            ]
+        )
+        atexit.register(self.shutdown)
+        try:
+            self.ready = self._wait_ready(startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self.process.poll() is None
+
+    def _wait_ready(self, timeout: float) -> EngineReady:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = self.recv(timeout_ms=200)
+            if isinstance(message, EngineReady):
+                logger.info("engine core ready (pid %d)", self.process.pid)
+                return message
+        raise EngineDeadError(f"engine core did not start within {timeout:.0f} s")
+
+    def send(self, message: EngineInput) -> None:
+        if not self.alive:
+            raise EngineDeadError("engine core is not running")
+        with self._send_lock:
+            self._input.send(self._encoder.encode(message), copy=False)
+
+    def recv(self, timeout_ms: int) -> EngineOutput | None:
+        """The next message, or None after timeout_ms; EngineDeadError once the core is
+        gone and nothing is left to read."""
+        if self._output.poll(timeout_ms):
+            message = self._decoder.decode(self._output.recv(copy=False).buffer)
+            if isinstance(message, EngineFailed):
+                raise EngineDeadError(f"engine core failed: {message.message}")
+            return message
+        if not self.alive:
+            code = self.process.poll()
+            raise EngineDeadError(f"engine core exited (code {code})")
+        return None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        if self.process.poll() is None:
+            try:
+                with self._send_lock:
+                    self._input.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+                self.process.wait(timeout)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

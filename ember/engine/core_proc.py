@@ -1,0 +1,134 @@
+"""The engine core in its own process, driven over ZeroMQ with msgspec messages.
+
+Life cycle: a frontend (`EngineCoreClient`) binds two ipc sockets and starts
+`python -m ember.engine.core_proc --config JSON --input ADDR --output ADDR`. The process
+loads the model and sends `EngineReady` (or `EngineFailed`, then exits 1). Then it loops:
+take every waiting input message (blocking while there is no work, so an idle engine
+costs no CPU), run one step, send its outputs with the engine's stats. `Shutdown`, the
+parent's death or SIGTERM end the loop; what is still running is aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from ember import envs
+from ember.config import EngineConfig
+from ember.engine.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineInput,
+    EngineReady,
+    RequestError,
+    Shutdown,
+)
+
+logger = logging.getLogger("ember.engine")
+
+IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is still there
+
+
+class EngineCoreProc:
+    def __init__(self, core, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.stopping = False
+
+    def run(self, parent_pid: int) -> None:
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        while not self.stopping:
+            busy = self.core.has_unfinished()
+            received = bool(poller.poll(0 if busy else IDLE_POLL_MS))
+            if not received and not busy and os.getppid() != parent_pid:
+                logger.warning("frontend process is gone; engine core exits")
+                break
+            errors = self._drain_inputs() if received else []
+            outputs = self.core.step() if self.core.has_unfinished() else []
+            if outputs or received or busy:  # stats go out with every change, and only then
+                self._send(EngineCoreOutputs(outputs, self.core.stats(), errors))
+        for request_id in list(self.core.scheduler.requests):
+            self.core.abort_requests([request_id])
+
+    def _drain_inputs(self) -> list[RequestError]:
+        errors = []
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return errors
+            message = self.decoder.decode(frame.buffer)
+            if isinstance(message, EngineCoreRequest):
+                try:
+                    self.core.add_request(message)
+                except ValueError as exc:
+                    errors.append(RequestError(message.request_id, str(exc)))
+            elif isinstance(message, AbortRequests):
+                self.core.abort_requests(message.request_ids)
+            elif isinstance(message, Shutdown):
+                self.stopping = True
+
+    def _send(self, message) -> None:
+        self.output.send(self.encoder.encode(message), copy=False)
+
+
+def _die_with_parent() -> None:
+    """Asks Linux to SIGTERM this process when its parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ember-engine-core")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--input", required=True, help="zmq address to pull requests from")
+    parser.add_argument("--output", required=True, help="zmq address to push outputs to")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s"
+    )
+    parent_pid = os.getppid()
+    _die_with_parent()
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(args.input)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(args.output)
+    encoder = msgspec.msgpack.Encoder()
+    proc = None
+    try:
+        from ember.engine.core import EngineCore
+
+        config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
+        core = EngineCore.from_config(config)
+        proc = EngineCoreProc(core, input_socket, output_socket)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(proc, "stopping", True))
+        output_socket.send(encoder.encode(EngineReady(core.max_model_len, core.kv_cache.num_blocks)))
+        proc.run(parent_pid)
+        return 0
+    except Exception as exc:
+        logger.exception("engine core failed")
+        output_socket.send(encoder.encode(EngineFailed(f"{type(exc).__name__}: {exc}")))
+        return 1
+    finally:
+        output_socket.close(linger=1000)
+        input_socket.close(linger=0)
+        context.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

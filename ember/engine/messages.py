@@ -1,0 +1,86 @@
+"""What crosses the seam between a frontend and the engine core (msgspec structs, no pickle).
+
+The frontend (API process, or `LLM` in one process) tokenizes and checks a request, then
+sends one `EngineCoreRequest`; the core answers with `EngineCoreOutputs` after every
+step that changed something. In a server these go over ZeroMQ as msgpack:
+
+    API process                                   engine core process
+      AddRequest / AbortRequests / Shutdown  -->    (PULL)
+      (PULL)                                 <--    EngineReady once, then EngineCoreOutputs
+                                                    (EngineFailed if loading failed)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ember.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add"):
+    """One user request, checked and tokenized; the core splits n > 1 into siblings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length by the frontend
+    eos_token_ids: list[int]
+    cache_salt: str | None = None
+    session_id: str | None = None  # from x-session-affinity; logged, used by routers
+    grammar: str | None = None  # an llguidance grammar every output must follow
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]  # user request ids; the core aborts all of their sequences
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = EngineCoreRequest | AbortRequests | Shutdown
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    """New tokens of one sequence (core request id, `{id}#{i}` when n > 1)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_cached_tokens: int
+    queue_time: float | None = None  # seconds waiting before first scheduled; first output
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    num_waiting: int
+    num_running: int
+    num_queued_prefill_tokens: int  # prompt tokens not yet computed
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_requests_received: int = 0  # AddRequest messages taken so far (for admission control)
+
+
+class RequestError(msgspec.Struct):
+    request_id: str
+    message: str  # why the core refused the request (e.g. a grammar it cannot compile)
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    errors: list[RequestError] = []
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    max_model_len: int
+    num_kv_blocks: int
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+EngineOutput = EngineCoreOutputs | EngineReady | EngineFailed
