@@ -95,6 +95,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.engine.core_client import EngineDeadError
+    from ember.server.run import serve
+
+    try:
+        return serve(args, engine_options(args))
+    except EngineDeadError as exc:
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ember.server.chat_client import run_chat
+
+    return run_chat(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ember.bench.offline import run_offline
 
@@ -118,6 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API (default: smollm2-135m on 127.0.0.1:8000)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_engine_args(serve)
+    from ember.server.run import add_server_args
+
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="chat with a running server in the terminal")
+    from ember.server.chat_client import add_chat_args
+
+    add_chat_args(chat)
+    chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -14,3 +14,8 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """Log level for the `ember` loggers: $EMBER_LOG_LEVEL (default INFO)."""
     return os.environ.get("EMBER_LOG_LEVEL", "INFO").upper()
+
+
+def api_key() -> str | None:
+    """The key `ember serve` requires of clients when --api-key is not given: $EMBER_API_KEY."""
+    return os.environ.get("EMBER_API_KEY") or None

@@ -1,0 +1,134 @@
+"""The FastAPI application: routes, API keys, session affinity, disconnects.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE when
+`stream`), GET /health, GET /metrics (Prometheus), GET /load (JSON for routers). With an
+API key set, /v1/* need `Authorization: Bearer KEY`; the probes stay open. The request
+header `x-session-affinity` becomes the engine request's session id, is logged, and is
+echoed on the response. A client that goes away mid-request cancels the handler, which
+aborts its engine requests (their KV blocks are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ember.engine.async_llm import AsyncLLM
+from ember.server.errors import APIError, error_body, install_error_handlers
+from ember.server.metrics import ServerMetrics
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest
+from ember.server.serving import RequestContext
+from ember.server.serving_chat import ChatServing
+from ember.server.serving_completion import CompletionServing
+
+logger = logging.getLogger("ember.server")
+
+SESSION_HEADER = "x-session-affinity"
+
+
+def build_app(
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    max_queued_requests: int | None = None,
+) -> FastAPI:
+    app = FastAPI(title="ember", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(model_name)
+    chat = ChatServing(llm, model_name, metrics, max_queued_requests)
+    completions = CompletionServing(llm, model_name, metrics, max_queued_requests)
+    install_error_handlers(app)
+    app.state.llm = llm
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                body = error_body(401, "missing or invalid API key", None, "invalid_api_key")
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ember",
+                    "max_model_len": llm.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await _serve(completions, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await _serve(chat, body, request)
+
+    @app.get("/health")
+    async def health():
+        if llm.dead:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/load")
+    async def load():
+        stats = llm.stats()
+        return {
+            "num_waiting": llm.num_waiting,
+            "num_running": stats.num_running,
+            "num_queued_prefill_tokens": stats.num_queued_prefill_tokens,
+            "kv_blocks_used": stats.kv_blocks_used,
+            "kv_blocks_total": stats.kv_blocks_total,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "healthy": not llm.dead,
+        }
+
+    @app.get("/metrics")
+    async def prometheus():
+        text = metrics.render(llm.stats(), llm.num_waiting)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _serve(serving, body, request: Request):
+    session_id = request.headers.get(SESSION_HEADER)
+    headers = {SESSION_HEADER: session_id} if session_id else {}
+    if session_id:
+        logger.info("%s session=%s", request.url.path, session_id)
+    ctx = RequestContext(session_id=session_id, cache_salt=body.cache_salt)
+    result = await _until_disconnect(serving.create(body, ctx), request)
+    if isinstance(result, dict):
+        return JSONResponse(result, headers=headers)
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+
+
+async def _until_disconnect(work, request: Request):
+    """Runs `work`, cancelling it if the client disconnects first (a non-streaming
+    request would otherwise run to the end for nobody)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise APIError(499, "client disconnected")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+

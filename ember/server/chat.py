@@ -1,0 +1,246 @@
+"""Chat requests into prompts, and tool calls out of the model's text.
+
+Templates that know tools (they mention `tools`) get the tools and tool calls as they
+are. For templates that do not (SmolLM2's, for one), ember describes the tools in the
+system message in the Hermes style that most open models are trained on, writes earlier
+tool calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` and wraps tool
+results in `<tool_response>`; `ToolCallParser` reads the same format back.
+
+How each `tool_choice` is served (`tool_plan`):
+    none      no tools in the prompt, plain text
+    auto      tools in the prompt; `<tool_call>` blocks in the output become tool_calls
+    required  output constrained to a JSON array of {"name", "arguments"} (>= 1 item)
+    named     output constrained to that function's parameters: the output is its arguments
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from ember.engine.structured_output import json_schema_grammar
+from ember.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+_TOOLS_PREAMBLE = (
+    "You can call functions to help with the user's request. To call one, reply with a "
+    "JSON object with the function's name and arguments inside <tool_call></tool_call> "
+    'tags, e.g.\n<tool_call>\n{"name": "function_name", "arguments": {"arg": "value"}}\n'
+    "</tool_call>\nThe available functions:\n<tools>\n"
+)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "none" | "auto" | "required" | "named"
+    function: str | None = None  # the named function
+    grammar: str | None = None  # what the output must follow (required / named / JSON)
+
+
+def tool_plan(request: ChatCompletionRequest) -> ToolPlan:
+    """Decides how tools and response_format shape this request; ValueError names the
+    parameter that is wrong."""
+    tools = request.tools or []
+    choice = request.tool_choice or ("auto" if tools else "none")
+    json_grammar = _response_format_grammar(request)
+    if choice == "none":
+        return ToolPlan("none", grammar=json_grammar)
+    if not tools:
+        raise ValueError("tool_choice needs tools")
+    if json_grammar is not None and choice != "auto":
+        raise ValueError("response_format cannot be combined with a forced tool_choice")
+    if choice == "auto":
+        return ToolPlan("auto", grammar=json_grammar)
+    if choice == "required":
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.function.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        return ToolPlan("required", grammar=json_schema_grammar(schema, "tools"))
+    assert isinstance(choice, NamedToolChoice)
+    name = choice.function.get("name")
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+    schema = tool.function.parameters or {"type": "object"}
+    return ToolPlan("named", name, json_schema_grammar(schema, "tools"))
+
+
+def _response_format_grammar(request: ChatCompletionRequest) -> str | None:
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json_schema_grammar(None)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ValueError("response_format.json_schema.schema is required for json_schema")
+    return json_schema_grammar(fmt.json_schema.schema_)
+
+
+def render_prompt(tokenizer, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    """The prompt's token ids, from the model's chat template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template; use /v1/completions")
+    tools = request.tools if plan.mode != "none" else None
+    native = tools is not None and "tools" in tokenizer.chat_template
+    messages = [_message_dict(m, native) for m in request.messages]
+    kwargs = {}
+    if tools and native:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    elif tools:
+        messages = _with_tools_in_system(messages, tools)
+    try:
+        encoded = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            tokenize=True,
+            return_dict=True,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja raises whatever the template raises
+        raise ValueError(f"messages: the chat template failed: {exc}") from None
+    return list(encoded["input_ids"])
+
+
+def _message_dict(message: ChatMessage, native_tools: bool) -> dict:
+    content = _text(message.content)
+    out: dict = {"role": "system" if message.role == "developer" else message.role}
+    if message.tool_calls and native_tools:
+        out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    elif message.tool_calls:
+        blocks = [_tool_call_text(c.function.name, c.function.arguments) for c in message.tool_calls]
+        content = "\n".join([content, *blocks] if content else blocks)
+    if message.role == "tool" and not native_tools:
+        content = f"<tool_response>\n{content}\n</tool_response>"
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    out["content"] = content
+    return out
+
+
+def _text(content: str | list[dict] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError("messages: only text content parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _tool_call_text(name: str, arguments: str | dict) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_OPEN}\n{body}\n{TOOL_CLOSE}"
+
+
+def _with_tools_in_system(messages: list[dict], tools: list[Tool]) -> list[dict]:
+    listing = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
+    text = _TOOLS_PREAMBLE + listing + "\n</tools>"
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def new_tool_call(name: str, arguments: str) -> dict:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def parse_required_calls(text: str) -> list[dict]:
+    """Tool calls from the JSON array that tool_choice=required constrains the output to."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return []  # cut short by max_tokens
+    return [
+        new_tool_call(item["name"], json.dumps(item["arguments"], ensure_ascii=False))
+        for item in items
+    ]
+
+
+class ToolCallParser:
+    """Splits model text into content and `<tool_call>` blocks, incrementally.
+
+    `feed(text)` returns (content that is surely not part of a tool call, tool calls
+    completed); `finish()` flushes what is left (an unclosed or malformed block is
+    returned as content, never dropped).
+    """
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self._buffer += text
+        content, calls = [], []
+        while True:
+            start = self._buffer.find(TOOL_OPEN)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, TOOL_OPEN)
+                content.append(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            end = self._buffer.find(TOOL_CLOSE, start)
+            if end < 0:
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start:]
+                break
+            block = self._buffer[start + len(TOOL_OPEN) : end]
+            call = _parse_block(block)
+            if call is None:
+                content.append(self._buffer[: end + len(TOOL_CLOSE)])
+            else:
+                content.append(self._buffer[:start])
+                calls.append(call)
+            self._buffer = self._buffer[end + len(TOOL_CLOSE) :]
+        self.num_calls += len(calls)
+        return "".join(content), calls
+
+    def finish(self) -> str:
+        rest, self._buffer = self._buffer, ""
+        return rest
+
+
+def _parse_block(block: str) -> dict | None:
+    try:
+        data = json.loads(block)
+        name = data["name"]
+        arguments = data.get("arguments", data.get("parameters", {}))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(name, str):
+        return None
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return new_tool_call(name, arguments)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0

@@ -1,0 +1,104 @@
+"""Prometheus metrics (`ember_` namespace), one registry per server.
+
+Per-request timings are observed by a `RequestTimer` that the serving code feeds every
+output; engine gauges are read from the latest engine stats at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ember.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram(
+            "ember_time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "ember_inter_token_latency_seconds", "Time between output tokens.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "ember_e2e_request_latency_seconds", "Request arrival to last token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "ember_request_queue_time_seconds", "Time waiting before first scheduled.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "ember_prompt_tokens", "Prompt tokens received.", labels, registry=r
+        )
+        self.cached_tokens = Counter(
+            "ember_prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
+            labels, registry=r,
+        )  # fmt: skip
+        self.generation_tokens = Counter(
+            "ember_generation_tokens", "Output tokens generated.", labels, registry=r
+        )
+        self.requests = Counter(
+            "ember_requests", "Finished requests by finish reason.",
+            ["model_name", "finish_reason"], registry=r,
+        )  # fmt: skip
+        self.running = Gauge("ember_num_requests_running", "Running requests.", labels, registry=r)
+        self.waiting = Gauge("ember_num_requests_waiting", "Waiting requests.", labels, registry=r)
+        self.kv_usage = Gauge(
+            "ember_kv_cache_usage_ratio", "Share of KV blocks in use.", labels, registry=r
+        )
+        self.model_name = model_name
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def render(self, stats, num_waiting: int) -> bytes:
+        name = self.model_name
+        self.running.labels(name).set(stats.num_running)
+        self.waiting.labels(name).set(num_waiting)
+        self.kv_usage.labels(name).set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Follows one engine request's outputs; records its timings and counts when done."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.first = True
+
+    def observe(self, output: RequestOutput) -> None:
+        m, name = self.metrics, self.metrics.model_name
+        now = time.perf_counter()
+        num_new = sum(len(o.delta_token_ids) for o in output.outputs)
+        if self.first and num_new:
+            self.first = False
+            m.ttft.labels(name).observe(now - self.start)
+            if output.queue_time is not None:
+                m.queue.labels(name).observe(output.queue_time)
+        elif num_new:
+            m.itl.labels(name).observe((now - self.last) / num_new)
+        self.last = now
+        if num_new:
+            m.generation_tokens.labels(name).inc(num_new)
+        if output.finished:
+            m.e2e.labels(name).observe(now - self.start)
+            m.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+            m.cached_tokens.labels(name).inc(output.num_cached_tokens)
+            for seq in output.outputs:
+                m.requests.labels(name, seq.finish_reason).inc()
+
+    def aborted(self) -> None:
+        self.metrics.requests.labels(self.metrics.model_name, "abort").inc()

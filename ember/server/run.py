@@ -1,0 +1,98 @@
+"""`ember serve`: start the engine core process, then the HTTP server in front of it.
+
+Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections; requests in flight get
+`--shutdown-timeout` seconds to finish, then each still running is ended with an error
+("server is shutting down"), and the engine core process is stopped. Nothing is left
+running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import uvicorn
+
+from ember import envs
+
+logger = logging.getLogger("ember.server")
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: smollm2-135m, or MODEL as given)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $EMBER_API_KEY, if set)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 429 while this many requests wait for the engine (default: no limit)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 5)",
+    )
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, llm, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.shutdown_timeout = shutdown_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit and self.loop is not None:
+            logger.info("shutting down; in-flight requests have %.0f s", self.shutdown_timeout)
+            self.loop.call_soon_threadsafe(
+                self.loop.call_later,
+                self.shutdown_timeout,
+                self.llm.fail_all,
+                "server is shutting down",
+            )
+        super().handle_exit(sig, frame)
+
+
+def serve(args: argparse.Namespace, engine_options: dict) -> int:
+    from ember.engine.async_llm import AsyncLLM
+    from ember.server.app import build_app
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError("--max-queued-requests must be >= 0")
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    llm = AsyncLLM(args.model, **engine_options)
+    try:
+        app = build_app(llm, name, args.api_key or envs.api_key(), args.max_queued_requests)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            access_log=args.access_log,
+            log_level="info",
+            timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
+        )
+        server = _Server(config, llm, args.shutdown_timeout)
+        logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+        server.run()
+    finally:
+        llm.shutdown()
+    return 0

@@ -1,0 +1,204 @@
+"""What the endpoints share: admission checks, running engine requests, usage, SSE framing.
+
+A handler checks everything it can before the engine sees the request (model name, the
+parameters, prompt length against the context, queue room), so a bad request is a 400
+and never reaches the engine. It then runs one engine request per prompt, observed by
+the metrics, and either collects the final outputs or streams chunks as SSE. Errors that
+can only happen later (the engine died, the server is shutting down) end a stream with
+an OpenAI error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from ember.engine.async_llm import AsyncLLM, EngineDeadError
+from ember.engine.processor import ProcessedPrompt
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.server.errors import APIError, error_body
+from ember.server.metrics import ServerMetrics
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Per HTTP request: the parts of it every engine request carries."""
+
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
+class ServingBase:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model_name: str,
+        metrics: ServerMetrics,
+        max_queued_requests: int | None = None,
+    ) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self._token_texts: dict[int, str] = {}
+
+    # -- admission ----------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"The model `{model}` does not exist.", "model", "model_not_found"
+            )
+
+    def check_capacity(self) -> None:
+        if self.llm.dead:
+            raise APIError(503, "the engine is not running; the server cannot serve requests")
+        limit = self.max_queued_requests
+        if limit is not None and self.llm.num_waiting >= limit:
+            raise APIError(
+                429,
+                f"too many waiting requests ({self.llm.num_waiting}, the limit is {limit}); "
+                "retry later",
+                code="too_many_requests",
+            )
+
+    def check_prompt(self, prompt: str | list[int], params: SamplingParams) -> ProcessedPrompt:
+        try:
+            processed = self.llm.process_prompt(prompt)
+            self.llm.input_processor.check(processed, params)
+        except ValueError as exc:
+            raise APIError.bad_request(exc) from None
+        return processed
+
+    # -- running ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        ctx: RequestContext,
+        grammar: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        timer = self.metrics.timer()
+        finished = False
+        try:
+            async for output in self.llm.generate(
+                prompt,
+                params,
+                request_id,
+                cache_salt=ctx.cache_salt,
+                session_id=ctx.session_id,
+                grammar=grammar,
+            ):
+                timer.observe(output)
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                timer.aborted()
+
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        """The final output of each stream; engine errors become API errors."""
+
+        async def last(stream):
+            final = None
+            async for output in stream:
+                final = output
+            return final
+
+        try:
+            return list(await asyncio.gather(*(last(s) for s in streams)))
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc)) from None
+        except ValueError as exc:
+            raise APIError.bad_request(exc) from None
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.llm.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+            self._token_texts[token_id] = text
+        return text
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Items of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index, stream):
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def top_entries(entry: dict[int, float], num_top: int) -> list[tuple[int, float]]:
+    """The num_top most likely of an engine logprobs entry (chosen token first, then the
+    top alternatives, the chosen one not repeated)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    """OpenAI usage over the final outputs of one API request (one per prompt)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(seq.token_ids) for o in outputs for seq in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + _encode(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> bytes:
+    if isinstance(exc, ValueError):
+        return sse(APIError.bad_request(exc).body())
+    return sse(error_body(503, str(exc) or type(exc).__name__))

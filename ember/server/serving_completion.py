@@ -1,0 +1,117 @@
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt * n + i."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ember.engine.async_llm import EngineDeadError
+from ember.outputs import CompletionOutput, RequestOutput
+from ember.server.errors import APIError
+from ember.server.protocol import CompletionRequest
+from ember.server.serving import (
+    SSE_DONE,
+    RequestContext,
+    ServingBase,
+    merge,
+    new_id,
+    now,
+    sse,
+    sse_error,
+    top_entries,
+    usage,
+)
+
+
+class CompletionServing(ServingBase):
+    async def create(
+        self, request: CompletionRequest, ctx: RequestContext
+    ) -> dict | AsyncIterator[bytes]:
+        self.check_model(request.model)
+        try:
+            params = request.to_sampling_params()
+            prompts = request.prompts()
+        except ValueError as exc:
+            raise APIError.bad_request(exc) from None
+        processed = [self.check_prompt(p, params) for p in prompts]
+        self.check_capacity()
+        request_id = new_id("cmpl")
+        streams = [
+            self.generate(p, params, f"{request_id}-{i}", ctx) for i, p in enumerate(processed)
+        ]
+        if request.stream:
+            return self._stream(request, request_id, params, streams)
+        finals = await self.collect(streams)
+        num_top = params.logprobs or 0
+        choices = [
+            self._choice(
+                i * params.n + seq.index, seq, seq.text, seq.logprobs, seq.finish_reason, num_top
+            )
+            for i, final in enumerate(finals)
+            for seq in final.outputs
+        ]
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(finals),
+        }
+
+    def _choice(self, index, seq: CompletionOutput, text, logprobs, finish_reason, num_top):
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": None if logprobs is None else self._logprobs(logprobs, num_top),
+            "finish_reason": finish_reason,
+            "stop_reason": seq.stop_reason if finish_reason else None,
+        }
+
+    def _logprobs(self, entries: list[dict[int, float]], num_top: int) -> dict:
+        tokens, token_logprobs, top = [], [], []
+        for entry in entries:
+            (chosen, value), *_ = entry.items()
+            tokens.append(self.token_text(chosen))
+            token_logprobs.append(value)
+            top.append({self.token_text(t): v for t, v in top_entries(entry, num_top)})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
+
+    async def _stream(self, request, request_id, params, streams) -> AsyncIterator[bytes]:
+        created = now()
+        n, num_top = params.n, params.logprobs or 0
+        finals: dict[int, RequestOutput] = {}
+        ended: set[int] = set()  # choices whose finish_reason was sent
+        try:
+            async for prompt_index, output in merge(streams):
+                for seq in output.outputs:
+                    index = prompt_index * n + seq.index
+                    if index in ended or not (seq.delta_text or seq.delta_logprobs or seq.finished):
+                        continue
+                    if seq.finished:
+                        ended.add(index)
+                    choice = self._choice(
+                        index, seq, seq.delta_text, seq.delta_logprobs, seq.finish_reason, num_top
+                    )
+                    yield sse(self._chunk(request_id, created, [choice]))
+                if output.finished:
+                    finals[prompt_index] = output
+        except (EngineDeadError, ValueError) as exc:
+            yield sse_error(exc)
+            yield SSE_DONE
+            return
+        if request.include_usage:
+            ordered = [finals[i] for i in sorted(finals)]
+            yield sse(self._chunk(request_id, created, [], usage(ordered)))
+        yield SSE_DONE
+
+    def _chunk(self, request_id, created, choices, usage_block=None) -> dict:
+        chunk = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+        if usage_block is not None:
+            chunk["usage"] = usage_block
+        return chunk
