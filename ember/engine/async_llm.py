@@ -49,11 +49,15 @@ class AsyncLLM:
         from ember.loader.default_models import resolve_model
 
         config = EngineConfig(model=str(resolve_model(model)), **options)
-        checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
-        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        self.tokenizer = checkpoint.tokenizer()
-        self.client = EngineCoreClient(config)
-        self.max_model_len = self.client.ready.max_model_len
+        self.client = EngineCoreClient(config)  # loads the model while we load the tokenizer
+        try:
+            checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
+            self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+            self.tokenizer = checkpoint.tokenizer()
+            self.max_model_len = self.client.wait_ready().max_model_len
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.input_processor = InputProcessor.for_model(
             self.tokenizer, self.model_config, self.max_model_len
         )

@@ -1,8 +1,8 @@
 """The frontend's handle on an engine core process: start it, send it messages, read back.
 
 Life cycle: `EngineCoreClient(config)` binds two ipc sockets in a private temporary
-directory, starts `python -m ember.engine.core_proc` and waits for `EngineReady`
-(raising `EngineDeadError` with the core's message if loading failed). `send()` may be
+directory and starts `python -m ember.engine.core_proc`; `wait_ready()` waits for
+`EngineReady` (raising `EngineDeadError` with the core's message if loading failed). `send()` may be
 called from any thread (a lock guards the socket); `recv()` is for one reader thread.
 `shutdown()` asks the core to stop, waits, kills it if it must, and removes the sockets.
 """
@@ -59,15 +59,27 @@ class EngineCoreClient:
             ]
         )
         atexit.register(self.shutdown)
-        try:
-            self.ready = self._wait_ready(startup_timeout)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._startup_timeout = startup_timeout
+        self._ready: EngineReady | None = None
 
     @property
     def alive(self) -> bool:
         return not self._closed and self.process.poll() is None
+
+    def wait_ready(self) -> EngineReady:
+        """Blocks until the core has loaded the model (the frontend does its own loading
+        meanwhile); EngineDeadError if it fails or takes longer than startup_timeout."""
+        if self._ready is None:
+            try:
+                self._ready = self._wait_ready(self._startup_timeout)
+            except BaseException:
+                self.shutdown()
+                raise
+        return self._ready
+
+    @property
+    def ready(self) -> EngineReady:
+        return self.wait_ready()
 
     def _wait_ready(self, timeout: float) -> EngineReady:
         deadline = time.monotonic() + timeout

@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore.from_config(config)
         proc = EngineCoreProc(core, input_socket, output_socket)
         signal.signal(signal.SIGTERM, lambda *_: setattr(proc, "stopping", True))
-        output_socket.send(encoder.encode(EngineReady(core.max_model_len, core.kv_cache.num_blocks)))
+        output_socket.send(
+            encoder.encode(EngineReady(core.max_model_len, core.kv_cache.num_blocks))
+        )
         proc.run(parent_pid)
         return 0
     except Exception as exc:

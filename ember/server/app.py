@@ -131,4 +131,3 @@ async def _until_disconnect(work, request: Request):
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-

@@ -119,7 +119,9 @@ def _message_dict(message: ChatMessage, native_tools: bool) -> dict:
     if message.tool_calls and native_tools:
         out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
     elif message.tool_calls:
-        blocks = [_tool_call_text(c.function.name, c.function.arguments) for c in message.tool_calls]
+        blocks = [
+            _tool_call_text(c.function.name, c.function.arguments) for c in message.tool_calls
+        ]
         content = "\n".join([content, *blocks] if content else blocks)
     if message.role == "tool" and not native_tools:
         content = f"<tool_response>\n{content}\n</tool_response>"

@@ -1,7 +1,8 @@
 """`ember chat`: a small terminal client for a running server, for trying ember by hand.
 
 Each line you type is a user message; the reply streams in as it is generated and joins
-the history, so the conversation (and the server's prefix cache) grows turn by turn.
+the history, so the conversation (and the server's prefix cache) grows turn by turn. After
+each reply a `[usage]` line on stderr gives the prompt, cached and completion tokens.
 `/reset` clears the history, `/exit` (or end of input) quits. Input that is not a
 terminal is read line by line the same way, so the client can be scripted.
 """
@@ -80,10 +81,11 @@ def _stream_reply(client: httpx.Client, model: str, history: list[dict], args) -
         "model": model,
         "messages": history,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
     }
-    parts = []
+    parts, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
@@ -98,7 +100,15 @@ def _stream_reply(client: httpx.Client, model: str, history: list[dict], args) -
                 text = choice["delta"].get("content") or ""
                 parts.append(text)
                 print(text, end="", flush=True)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
     print()
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    print(
+        f"[usage] prompt={usage['prompt_tokens']} cached={cached} "
+        f"completion={usage['completion_tokens']}",
+        file=sys.stderr,
+    )
     return "".join(parts)
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
 
 import uvicorn
 
@@ -55,6 +58,20 @@ class _Server(uvicorn.Server):
         self.llm = llm
         self.shutdown_timeout = shutdown_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's own version re-raises the signal after shutting down, which would kill
+        the process before the engine core is stopped; this one just restores handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()

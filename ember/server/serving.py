@@ -54,9 +54,7 @@ class ServingBase:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"The model `{model}` does not exist.", "model", "model_not_found"
-            )
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def check_capacity(self) -> None:
         if self.llm.dead:

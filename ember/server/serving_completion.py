@@ -73,7 +73,10 @@ class CompletionServing(ServingBase):
             (chosen, value), *_ = entry.items()
             tokens.append(self.token_text(chosen))
             token_logprobs.append(value)
-            top.append({self.token_text(t): v for t, v in top_entries(entry, num_top)})
+            alternatives: dict[str, float] = {}
+            for token, logprob in top_entries(entry, num_top):  # best first; texts may repeat
+                alternatives.setdefault(self.token_text(token), logprob)
+            top.append(alternatives)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
 
     async def _stream(self, request, request_id, params, streams) -> AsyncIterator[bytes]:

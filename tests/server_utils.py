@@ -1,0 +1,94 @@
+"""Starting and stopping real `ember serve` processes for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (read from /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(entry.name))
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class EmberServer:
+    """`ember serve MODEL ARGS...` on a free port; `stop()` sends SIGTERM."""
+
+    def __init__(self, model: str, *args: str, startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, EMBER_LOG_LEVEL="WARNING")
+        env.pop("EMBER_API_KEY", None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "serve", model, "--port", str(self.port), *args],
+            env=env,
+        )
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ember serve exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            self.stop()
+            raise RuntimeError("ember serve did not become healthy")
+        (self.core_pid,) = child_pids(self.process.pid)
+
+    def load(self) -> dict:
+        return httpx.get(f"{self.url}/load", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """The /load report once nothing runs or waits (or the last one at timeout)."""
+        deadline = time.monotonic() + timeout
+        load = self.load()
+        while time.monotonic() < deadline:
+            if load["num_running"] == 0 and load["num_waiting"] == 0:
+                break
+            time.sleep(0.05)
+            load = self.load()
+        return load
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
