@@ -23,31 +23,48 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default=d.dtype,
-        help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16",
+        help="auto (fp32 on CPU, bf16 on CUDA; the default) | float32 | bfloat16 | float16",
     )
-    parser.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
-    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    parser.add_argument("--device", default=d.device, help="auto (the default) | cpu | cuda[:N]")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help="tokens per KV block (default %(default)s)",
+    )
     parser.add_argument(
         "--kv-cache-memory",
         type=_bytes,
         default=None,
         help="KV cache size, e.g. 2G (default: from free memory)",
     )
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length served")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length served (default: the model's)",
+    )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=d.max_num_batched_tokens,
-        help="token budget per step",
+        help="token budget per step (default %(default)s)",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step"
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="sequences per step (default %(default)s)",
     )
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument(
-        "--attention-backend", default=d.attention_backend, help="auto | sdpa | cpu-paged"
+        "--attention-backend",
+        default=d.attention_backend,
+        help="auto (the default) | sdpa | cpu-paged",
     )
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
+    parser.add_argument(
+        "--seed", type=int, default=d.seed, help="seed for unseeded sampling (default %(default)s)"
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -139,7 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="serve the OpenAI API (default: smollm2-135m on 127.0.0.1:8000)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_engine_args(serve)
     from ember.server.run import add_server_args
