@@ -369,16 +369,26 @@ def test_smollm2_q_k_match_transformers_unpermutation(smol_reader: gguf.GGUFRead
     assert checked == 2 * config["num_hidden_layers"]
 
 
-def test_smollm2_tokenizer(smol_path: Path) -> None:
-    tokenizer = gguf_tokenizer(smol_path)
-    # The ids transformers' GGUF tokenizer gives (also those of HF's SmolLM2 tokenizer.json).
-    assert tokenizer("Hello world")["input_ids"] == [19556, 905]
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
-    assert tokenizer.eos_token == "<|im_end|>"
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
-    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+def test_smollm2_tokenizer_built_then_from_the_cache(
+    smol_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    built = gguf_tokenizer(smol_path)
+    assert list((tmp_path / "tokenizers").iterdir())  # kept for the next start
+    cached = gguf_tokenizer(smol_path)
+    text = "Hello world, Größe 東京 🙂<|im_end|>  spaces\n\ttabs"
+    for tokenizer in (built, cached):
+        # The ids transformers' GGUF tokenizer gives (also those of HF's SmolLM2 tokenizer.json).
+        assert tokenizer("Hello world")["input_ids"] == [19556, 905]
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+        assert tokenizer.eos_token == "<|im_end|>"
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+        assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert cached.encode(text) == built.encode(text)
+    assert cached.decode(built.encode(text)) == text
+    assert len(cached) == len(built) and cached.all_special_ids == built.all_special_ids
 
 
 # ---------------------------------------------------------------- resolve_model

@@ -13,8 +13,11 @@ row order (llama.cpp runs them with NeoX rope).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -234,13 +237,41 @@ def _unpermute_rows(weights: np.ndarray, num_heads: int, name: str) -> np.ndarra
 
 
 def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer stored in a GGUF file, with its chat template (via transformers' GGUF support)."""
+    """The tokenizer stored in a GGUF file, with its chat template (via transformers' GGUF
+    support). Building it parses the whole file's metadata (~10 s for SmolLM2), so the
+    result is kept in the cache directory, keyed by the file's path, size and mtime."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF file not found: {path}")
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cached = _tokenizer_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(cached))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        _save_tokenizer(tokenizer, cached)
     if tokenizer.eos_token is None:
         raise ValueError(f"GGUF tokenizer in {path} has no eos token")
     if tokenizer.chat_template is None:
         logger.warning("GGUF file %s has no tokenizer.chat_template; chat requests will fail", path)
     return tokenizer
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    from ember import envs
+
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return envs.cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Saves atomically (another process may be building the same one); a cache that
+    cannot be written only costs the next start its time."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, target)
+            os.mkdir(tmp)  # for TemporaryDirectory's own cleanup
+    except OSError as exc:
+        logger.debug("tokenizer cache not written to %s: %s", target, exc)
