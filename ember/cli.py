@@ -9,17 +9,21 @@ import sys
 from ember import envs
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that runs a model."""
-    from ember.config import EngineConfig
-
-    d = EngineConfig()
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         nargs="?",
         default=None,
         help="HF directory, .gguf file or alias (default: smollm2-135m)",
     )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that runs a model."""
+    from ember.config import EngineConfig
+
+    d = EngineConfig()
+    add_model_arg(parser)
     parser.add_argument(
         "--dtype",
         default=d.dtype,
@@ -171,12 +175,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from ember.bench import commands
+
+    serve_bench = bench_sub.add_parser(
+        "serve", help="load an OpenAI-compatible server: random, agentic or trace workloads"
+    )
+    commands.add_serve_args(serve_bench)
+    serve_bench.set_defaults(func=commands.run_serve)
+
     offline = bench_sub.add_parser("offline", help="engine throughput, no HTTP")
     add_engine_args(offline)
     from ember.bench.offline import add_offline_args
 
     add_offline_args(offline)
     offline.set_defaults(func=cmd_bench)
+
+    startup = bench_sub.add_parser(
+        "startup", help="cold start: process start to first token, against the disk's speed"
+    )
+    from ember.bench.startup import add_startup_args, run_startup
+
+    add_startup_args(startup)
+    startup.set_defaults(func=run_startup)
+
+    compare = bench_sub.add_parser("compare", help="runs side by side, with ratios")
+    commands.add_compare_args(compare)
+    compare.set_defaults(func=commands.run_compare)
     return parser
 
 

@@ -68,12 +68,18 @@ class ServingBase:
                 code="too_many_requests",
             )
 
-    def check_prompt(self, prompt: str | list[int], params: SamplingParams) -> ProcessedPrompt:
+    def check_prompt(
+        self, prompt: str | list[int], params: SamplingParams, param: str = "prompt"
+    ) -> ProcessedPrompt:
+        """Tokenizes and checks the prompt fits; a 400 names `param` for a prompt error."""
         try:
             processed = self.llm.process_prompt(prompt)
             self.llm.input_processor.check(processed, params)
         except ValueError as exc:
-            raise APIError.bad_request(exc) from None
+            error = APIError.bad_request(exc)
+            if error.param == "prompt":
+                error.param = param
+            raise error from None
         return processed
 
     # -- running ------------------------------------------------------------------------

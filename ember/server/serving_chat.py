@@ -85,7 +85,7 @@ class ChatServing(ServingBase):
             prompt_ids = render_prompt(self.llm.tokenizer, request, plan)
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
-        prompt = self.check_prompt(prompt_ids, params)
+        prompt = self.check_prompt(prompt_ids, params, param="messages")
         prompt = ProcessedPrompt(None, prompt.prompt_token_ids)
         self.check_capacity()
         request_id = new_id("chatcmpl")

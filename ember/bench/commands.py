@@ -1,0 +1,125 @@
+"""The `ember bench serve` and `ember bench compare` commands (arguments and entry points)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+
+from ember import envs
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="server address, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="default: $EMBER_API_KEY")
+    p.add_argument("--workload", choices=["random", "agentic", "trace"], default="random")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
+    p.add_argument("--request-rate", type=float, default=0.0,
+                   help="Poisson arrivals per second of requests / sessions (0: all at once)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
+    p.add_argument("--num-requests", type=int, default=32, help="random and trace workloads")
+    p.add_argument("--input-len", default="256", help="prompt tokens: N or LO:HI (random)")
+    p.add_argument("--output-len", default="64", help="output tokens: N or LO:HI")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let the model stop early (default: ask for ignore_eos)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-sessions", type=int, default=4, help="agentic: sessions")
+    p.add_argument("--num-turns", type=int, default=4, help="agentic: turns per session")
+    p.add_argument("--system-tokens", type=int, default=256, help="agentic: system prompt")
+    p.add_argument("--num-tools", type=int, default=2, help="agentic: tool definitions")
+    p.add_argument("--tool-tokens", type=int, default=32, help="agentic: per tool description")
+    p.add_argument("--turn-tokens", type=int, default=32, help="agentic: each new message")
+    p.add_argument("--prefix-sharing", choices=["shared", "per-session"], default="shared",
+                   help="agentic: system prompt and tools shared by all sessions or not")  # fmt: skip
+    p.add_argument("--think-time", type=float, default=0.0, help="agentic: seconds between turns")
+    p.add_argument("--trace", default=None, help="trace: Mooncake-format JSONL file")
+    p.add_argument("--trace-start", type=int, default=0, help="trace: first line replayed")
+    p.add_argument("--trace-block-tokens", type=int, default=32,
+                   help="trace: tokens per hash id (the trace's blocks are 512)")  # fmt: skip
+    p.add_argument("--trace-output-scale", type=float, default=None,
+                   help="trace: output length factor (default: block tokens / 512)")  # fmt: skip
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace: factor on timestamps (0: ignore them, send asap)")  # fmt: skip
+    p.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=500,tpot=50 (ms)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model whose tokenizer sizes the text (default: smollm2-135m)")  # fmt: skip
+    p.add_argument("--extra-body", default="{}", help="JSON merged into every request")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--out", default=None, help="write the full result as JSON")
+    p.add_argument("--plot", default=None, help="draw TTFT/ITL CDFs and TTFT by turn (PNG)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """`ttft=500,tpot=50` (ms) -> {"ttft": 0.5, "tpot": 0.05} (seconds)."""
+    slo = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, _, value = part.partition("=")
+        if key.strip() not in ("ttft", "tpot") or not value:
+            raise ValueError(f"--slo: expected ttft=MS,tpot=MS, got {part!r}")
+        slo[key.strip()] = float(value) / 1e3
+    return slo
+
+
+def _check(args) -> None:
+    if args.workload == "trace" and not args.trace:
+        raise ValueError("--workload trace needs --trace FILE")
+    if args.trace_output_scale is None:
+        args.trace_output_scale = args.trace_block_tokens / 512
+    args.api_key = args.api_key or envs.api_key()
+    json.loads(args.extra_body)
+
+
+def _server_model(args) -> str:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    response = httpx.get(f"{args.url.rstrip('/')}/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def run_serve(args) -> int:
+    from ember.bench.report import plot, print_summary, result_json, summarize
+    from ember.bench.serve import LoadGenerator
+    from ember.bench.workloads import WordSource, build_workload
+    from ember.loader.checkpoint import open_checkpoint
+    from ember.loader.default_models import resolve_model
+
+    _check(args)
+    slo = parse_slo(args.slo)
+    args.model = args.model or _server_model(args)
+    words = WordSource(open_checkpoint(resolve_model(args.tokenizer)).tokenizer(), args.seed)
+    sessions = build_workload(words, args)
+    generator = LoadGenerator(args, sessions, words)
+    wall = asyncio.run(generator.run())
+    records = sorted(generator.records, key=lambda r: r.start)
+    summary = summarize(records, wall, slo)
+    print_summary(summary)
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result_json(config, summary, records), indent=1))
+    if args.plot:
+        plot(summary, records, args.plot)
+    return 0
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="JSON files written by ember bench serve --out")
+    p.add_argument("--names", default=None, help="comma-separated column names")
+
+
+def run_compare(args) -> int:
+    from ember.bench.report import compare_table
+
+    summaries = [json.loads(Path(f).read_text())["summary"] for f in args.results]
+    names = args.names.split(",") if args.names else [Path(f).stem for f in args.results]
+    if len(names) != len(summaries):
+        raise ValueError("--names: one name per result file")
+    print(compare_table(names, summaries))
+    return 0
