@@ -125,3 +125,15 @@ def test_bad_slo_is_a_clear_error(tiny):
     parsed = build_parser().parse_args(["bench", "serve", "--url", srv.url, "--slo", "ttft"])
     with pytest.raises(ValueError, match="--slo"):
         parsed.func(parsed)
+
+
+def test_poisson_arrivals_and_duration_bound_the_run(tiny, tmp_path):
+    result = bench(
+        tiny, tmp_path, "poisson", "--num-requests", "40", "--input-len", "8",
+        "--output-len", "2", "--request-rate", "20", "--duration", "0.5",
+    )  # fmt: skip
+    starts = sorted(r["start"] for r in result["requests"])
+    # 40 arrivals at 20/s span ~2 s; only those in the first 0.5 s are sent
+    assert 2 <= len(starts) < 40
+    assert starts[-1] <= 0.5 + 0.1
+    assert starts[-1] - starts[0] > 0.1  # spread out, not all at once
