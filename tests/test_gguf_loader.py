@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, load_gguf_checkpoint
 
 from ember.loader import default_models
+from ember.loader.checkpoint import open_checkpoint
 from ember.loader.default_models import MODEL_ALIASES, WheelModel, resolve_model
 from ember.loader.gguf_loader import (
     gguf_to_hf_config,
@@ -238,6 +239,30 @@ def test_k_quants_equal_the_gguf_package_dequantization(tmp_path: Path, qtype: Q
     assert torch.equal(weights["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm))
 
 
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_1], ids=lambda q: q.name)
+def test_cached_index_opens_the_same_checkpoint_without_parsing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: QT
+) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, "qwen2" if qtype == QT.F16 else "llama", qtype)
+    expected = loaded(path)  # straight from gguf's reader
+    expected_config = gguf_to_hf_config(read_gguf(path))
+    first = open_checkpoint(path)  # parses, keeps the index
+    assert list((tmp_path / "cache" / "gguf").glob("*/index.json"))
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the file was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    second = open_checkpoint(path)  # from the index alone
+    assert second.hf_config == first.hf_config == expected_config
+    weights = dict(second.weights())
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
     _, type_size = gguf.GGML_QUANT_SIZES[QT.Q8_1]
     raw = np.zeros((HIDDEN, HIDDEN // 32 * type_size), np.uint8)
@@ -374,7 +399,7 @@ def test_smollm2_tokenizer_built_then_from_the_cache(
 ) -> None:
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     built = gguf_tokenizer(smol_path)
-    assert list((tmp_path / "tokenizers").iterdir())  # kept for the next start
+    assert list((tmp_path / "gguf").glob("*/tokenizer"))  # kept for the next start
     cached = gguf_tokenizer(smol_path)
     text = "Hello world, Größe 東京 🙂<|im_end|>  spaces\n\ttabs"
     for tokenizer in (built, cached):

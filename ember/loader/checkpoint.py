@@ -31,7 +31,7 @@ class Checkpoint:
     hf_config: dict
     is_gguf: bool
     files: list[Path] = field(default_factory=list)
-    gguf_reader: Any = None  # the open GGUFReader of a .gguf checkpoint (parsed once)
+    gguf_index: Any = None  # a .gguf checkpoint's GGUFIndex (config and tensor offsets)
 
     @property
     def num_bytes(self) -> int:
@@ -74,19 +74,19 @@ class Checkpoint:
                 raise ValueError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
 
     def _gguf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from ember.loader.gguf_loader import iter_gguf_weights
+        from ember.loader.gguf_loader import iter_indexed_weights
 
-        yield from iter_gguf_weights(self.gguf_reader, self.hf_config)
+        yield from iter_indexed_weights(self.path, self.gguf_index, self.hf_config)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Finds the config and weight files of a checkpoint; reads no weights yet."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        from ember.loader.gguf_loader import gguf_to_hf_config, read_gguf
+        from ember.loader.gguf_index import load_index
 
-        reader = read_gguf(path)
-        return Checkpoint(path, gguf_to_hf_config(reader), True, [path], reader)
+        index = load_index(path)
+        return Checkpoint(path, index.hf_config, True, [path], index)
     if not path.is_dir():
         raise ValueError(f"model {str(path)!r} is neither a directory nor a .gguf file")
     config_file = path / "config.json"

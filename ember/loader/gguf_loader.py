@@ -13,7 +13,6 @@ row order (llama.cpp runs them with NeoX rope).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -26,6 +25,10 @@ import gguf
 import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from ember.loader.gguf_index import GGUFIndex
+from ember.loader.gguf_index import cache_dir as gguf_cache_dir
+from ember.loader.gguf_index import tensors as indexed_tensors
 
 logger = logging.getLogger("ember.loader")
 
@@ -179,15 +182,26 @@ def iter_gguf_weights(
     reader: gguf.GGUFReader, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, float32 tensor in HF shape) for every tensor, one at a time."""
-    unsupported = [t for t in reader.tensors if t.tensor_type not in _DEQUANTIZABLE]
+    yield from _iter_weights(reader.tensors, _architecture(reader), config)
+
+
+def iter_indexed_weights(
+    path: Path, index: GGUFIndex, config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The same, for a file opened through its cached index (no metadata parse)."""
+    yield from _iter_weights(indexed_tensors(path, index), index.architecture, config)
+
+
+def _iter_weights(tensors: list, architecture: str, config: dict[str, Any]):
+    unsupported = [t for t in tensors if t.tensor_type not in _DEQUANTIZABLE]
     if unsupported:
         tensor = unsupported[0]
         raise ValueError(
             f"tensor {tensor.name} has GGML type {tensor.tensor_type.name}, which cannot be "
             f"dequantized ({len(unsupported)} such tensors)"
         )
-    interleaved_rope = _architecture(reader) == "llama"
-    for tensor in reader.tensors:
+    interleaved_rope = architecture == "llama"
+    for tensor in tensors:
         if tensor.name in _SKIPPED:
             continue
         weights = _dequantize(tensor)
@@ -257,11 +271,7 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def _tokenizer_cache_dir(path: Path) -> Path:
-    from ember import envs
-
-    stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return envs.cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return gguf_cache_dir(path) / "tokenizer"
 
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:

@@ -1,0 +1,126 @@
+"""What a start needs from a GGUF file besides its weights, kept in the cache directory.
+
+Parsing a GGUF file's metadata with `gguf.GGUFReader` takes seconds (SmolLM2: ~6.5 s,
+nearly all of it numpy views of the 49,152 vocabulary strings), and every start did it
+in each process. The first open keeps, per file (keyed by path, size and mtime), an
+index as JSON: the Hugging Face config derived from the metadata and each tensor's name,
+GGML type, shape and byte range. Later opens read that JSON and memory-map the tensors
+straight from their offsets; the tokenizer has its own cache next to it.
+
+    ~/.cache/ember/gguf/<key>/index.json    this index
+    ~/.cache/ember/gguf/<key>/tokenizer/    the tokenizer (gguf_loader.gguf_tokenizer)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+logger = logging.getLogger("ember.loader")
+
+INDEX_VERSION = 1
+_PLAIN_DTYPES = {
+    gguf.GGMLQuantizationType.F32: np.float32,
+    gguf.GGMLQuantizationType.F16: np.float16,
+    gguf.GGMLQuantizationType.F64: np.float64,
+    gguf.GGMLQuantizationType.I8: np.int8,
+    gguf.GGMLQuantizationType.I16: np.int16,
+    gguf.GGMLQuantizationType.I32: np.int32,
+    gguf.GGMLQuantizationType.I64: np.int64,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    tensor_type: int  # gguf.GGMLQuantizationType value
+    shape: list[int]  # GGUF order: innermost dimension first
+    data_offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    architecture: str  # general.architecture
+    hf_config: dict
+    tensors: list[TensorEntry]
+
+
+class IndexedTensor:
+    """A tensor of an indexed file, shaped like gguf's ReaderTensor (`data` as gguf gives
+    it: plain types as their dtype, quantized ones as rows of raw bytes)."""
+
+    def __init__(self, entry: TensorEntry, file_bytes: np.ndarray) -> None:
+        self.name = entry.name
+        self.tensor_type = gguf.GGMLQuantizationType(entry.tensor_type)
+        self.shape = np.array(entry.shape)
+        raw = file_bytes[entry.data_offset : entry.data_offset + entry.n_bytes]
+        dims = list(reversed(entry.shape))
+        dtype = _PLAIN_DTYPES.get(self.tensor_type)
+        if dtype is not None:
+            self.data = raw.view(dtype).reshape(dims)
+        else:
+            block_size, type_size = gguf.GGML_QUANT_SIZES[self.tensor_type]
+            dims[-1] = dims[-1] // block_size * type_size
+            self.data = raw.reshape(dims)
+
+
+def cache_dir(path: Path) -> Path:
+    """Where this file's index and tokenizer are kept."""
+    from ember import envs
+
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return envs.cache_dir() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def load_index(path: Path) -> GGUFIndex:
+    """The file's index, from the cache or built (and kept) from a full parse."""
+    target = cache_dir(path) / "index.json"
+    try:
+        data = json.loads(target.read_text())
+        if data.get("version") == INDEX_VERSION:
+            tensors = [TensorEntry(**t) for t in data["tensors"]]
+            return GGUFIndex(data["architecture"], data["hf_config"], tensors)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not there yet, or unreadable: parse the file
+    from ember.loader.gguf_loader import gguf_to_hf_config, read_gguf
+
+    reader = read_gguf(path)
+    hf_config = gguf_to_hf_config(reader)  # checks the architecture
+    index = GGUFIndex(
+        str(reader.get_field("general.architecture").contents()),
+        hf_config,
+        [
+            TensorEntry(t.name, int(t.tensor_type), [int(d) for d in t.shape],
+                        int(t.data_offset), int(t.n_bytes))
+            for t in reader.tensors
+        ],
+    )  # fmt: skip
+    _save(index, target)
+    return index
+
+
+def tensors(path: Path, index: GGUFIndex) -> list[IndexedTensor]:
+    file_bytes = np.memmap(path, dtype=np.uint8, mode="r")
+    return [IndexedTensor(entry, file_bytes) for entry in index.tensors]
+
+
+def _save(index: GGUFIndex, target: Path) -> None:
+    """Writes atomically; an index that cannot be written only costs the next start."""
+    data = {"version": INDEX_VERSION, **asdict(index)}
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False) as f:
+            json.dump(data, f)
+        os.replace(f.name, target)
+    except OSError as exc:
+        logger.debug("GGUF index not written to %s: %s", target, exc)
