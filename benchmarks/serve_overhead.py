@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
 from peer_bench import print_table, run_batch, summarize  # noqa: E402
-from server_utils import EmberServer, child_pids  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.loader.checkpoint import open_checkpoint  # noqa: E402
 from ember.loader.default_models import resolve_model  # noqa: E402
+from server_utils import EmberServer, child_pids  # noqa: E402
 
 
 def build_prompts(tokenizer, n_tokens: int, count: int, seed: int) -> list[list[int]]:
