@@ -1,12 +1,15 @@
 """ember's own CPU kernels, compiled on first use with torch's C++ extension tooling.
 
-Built once per machine into torch's extension cache (~/.cache/torch_extensions); when a
-compiler is missing or the build fails, callers fall back to plain torch ops.
+Built once per checkout and source version into ~/.cache/ember/kernels/<key> (the key
+hashes this directory's path and the sources: two checkouts sharing one build directory
+would rebuild each other's, since ninja sees the source paths change); when a compiler
+is missing or the build fails, callers fall back to plain torch ops.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -15,6 +18,18 @@ logger = logging.getLogger("ember.engine")
 
 _HERE = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "layers.cpp", "decode_layer.cpp", "small_gemm.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _build_directory() -> Path:
+    from ember import envs
+
+    digest = hashlib.sha256(str(_HERE).encode() + " ".join(_CFLAGS).encode())
+    for name in _SOURCES:
+        digest.update((_HERE / name).read_bytes())
+    path = envs.cache_dir() / "kernels" / digest.hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @functools.cache
@@ -27,7 +42,8 @@ def cpu_kernels():
         module = load(
             name="ember_cpu_kernels",
             sources=[str(_HERE / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            build_directory=str(_build_directory()),
+            extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
