@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+    router = sub.add_parser(
+        "router", help="one OpenAI endpoint in front of workers (affinity, prefix, load)"
+    )
+    from ember.router.run import add_router_args, run_router
+
+    add_router_args(router)
+    router.set_defaults(func=run_router)
+
     chat = sub.add_parser("chat", help="chat with a running server in the terminal")
     from ember.server.chat_client import add_chat_args
 

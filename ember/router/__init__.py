@@ -1,0 +1,1 @@
+"""The token-aware router (`ember router`): one OpenAI endpoint in front of workers."""

@@ -1,0 +1,45 @@
+"""`ember router`: the token-aware router in front of running workers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+logger = logging.getLogger("ember.router")
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mixed", action="append", default=[], metavar="URL",
+                        help="a mixed (prefill + decode) worker; repeat for more")  # fmt: skip
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a prefill worker (disaggregation: not available yet)")  # fmt: skip
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode worker (disaggregation: not available yet)")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--health-interval", type=float, default=1.0,
+                        help="seconds between health checks of each worker (default 1)")  # fmt: skip
+    parser.add_argument("--load-factor", type=float, default=1.25,
+                        help="a worker over this x the mean load takes no affinity or "
+                             "prefix traffic (default 1.25)")  # fmt: skip
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from ember.router.app import build_router_app
+    from ember.router.policy import Router
+
+    if args.prefill or args.decode:
+        raise ValueError(
+            "--prefill/--decode: prefill/decode disaggregation is not implemented yet; "
+            "use --mixed workers"
+        )
+    if not args.mixed:
+        raise ValueError("--mixed: give at least one worker URL")
+    if args.load_factor < 1:
+        raise ValueError("--load-factor must be >= 1")
+    app = build_router_app(Router(args.mixed, args.load_factor), args.health_interval)
+    logger.info("routing http://%s:%d -> %s", args.host, args.port, ", ".join(args.mixed))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    return 0

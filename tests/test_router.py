@@ -1,0 +1,133 @@
+"""The router: placement decisions on their own, then `ember router` in front of two real
+`ember serve` workers (affinity, cache hits, failover, 503 when none is left)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from ember.router.policy import Router
+from server_utils import EmberServer, free_port
+
+SYSTEM = "You are a careful assistant. " * 20  # a prompt prefix every session shares
+
+
+def served(router: Router, text: str, session: str | None = None, max_tokens: int = 16):
+    decision = router.choose(text, max_tokens, session)
+    router.start(decision)
+    router.finish(decision)
+    return decision
+
+
+def test_a_session_stays_home_and_sessions_spread():
+    router = Router(["http://a", "http://b"])
+    homes = {}
+    for session in (f"s{i}" for i in range(16)):
+        decisions = [served(router, SYSTEM + f"turn {t}", session) for t in range(3)]
+        assert len({d.worker.url for d in decisions}) == 1
+        assert all(d.reason == "affinity" for d in decisions)
+        homes[session] = decisions[0].worker.url
+    assert set(homes.values()) == {"http://a", "http://b"}
+
+
+def test_an_overloaded_home_spills_to_the_next_worker():
+    router = Router(["http://a", "http://b"])
+    home = served(router, "hello", "session-1").worker
+    home.tokens_in_flight = 100_000  # busy with other work
+    decision = router.choose("hello again", 16, "session-1")
+    assert decision.reason == "spill" and decision.worker is not home
+
+
+def test_longest_prefix_wins_but_a_shared_system_prompt_decides_nothing():
+    router = Router(["http://a", "http://b"])
+    first = served(router, SYSTEM + "conversation one " * 10)
+    again = router.choose(SYSTEM + "conversation one " * 10 + "and more", 16)
+    assert again.reason == "prefix" and again.worker is first.worker
+    other = next(w for w in router.workers if w is not first.worker)
+    other.remember(router.choose(SYSTEM, 16).hashes)  # now both hold the system prompt
+    first.worker.tokens_in_flight = 500
+    fresh = router.choose(SYSTEM + "a brand new conversation", 16)
+    assert fresh.reason == "least-load" and fresh.worker is other
+
+
+def test_least_load_counts_tokens_not_requests_and_skips_the_unhealthy():
+    router = Router(["http://a", "http://b", "http://c"])
+    a, b, c = router.workers
+    a.tokens_in_flight, a.requests_in_flight = 5_000, 1  # one long prompt
+    b.tokens_in_flight, b.requests_in_flight = 300, 3  # three short ones
+    c.healthy = False
+    decision = router.choose("x" * 400, 16)
+    assert decision.worker is b and decision.reason == "least-load"
+    b.healthy = a.healthy = False
+    assert router.choose("x", 16) is None
+
+
+# -- `ember router` in front of real workers ----------------------------------------------
+
+
+@pytest.fixture
+def cluster(tiny_checkpoint):
+    args = ["--kv-cache-memory", "16M", "--max-model-len", "512"]
+    workers = [EmberServer(str(tiny_checkpoint("llama")), *args) for _ in range(2)]
+    port = free_port()
+    env = dict(os.environ, EMBER_LOG_LEVEL="WARNING")
+    router = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli", "router", "--port", str(port),
+         "--health-interval", "0.2", *[a for w in workers for a in ("--mixed", w.url)]],
+        env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield url, workers
+    router.send_signal(signal.SIGTERM)
+    router.wait(30)
+    for worker in workers:
+        worker.stop()
+
+
+def chat(url: str, session: str, turn: int) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": SYSTEM + f" turn {turn}"}], "max_tokens": 4}
+    return httpx.post(f"{url}/v1/chat/completions", json=body,
+                      headers={"x-session-affinity": session}, timeout=60)  # fmt: skip
+
+
+def test_router_keeps_sessions_home_and_survives_a_dead_worker(cluster):
+    url, workers = cluster
+    by_session = {}
+    for session in ("alpha", "beta", "gamma", "delta"):
+        responses = [chat(url, session, t) for t in range(3)]
+        assert all(r.status_code == 200 for r in responses)
+        assert len({r.headers["x-ember-worker"] for r in responses}) == 1
+        assert all(r.headers["x-session-affinity"] == session for r in responses)
+        assert responses[2].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        by_session[session] = responses[0].headers["x-ember-worker"]
+    load = httpx.get(f"{url}/load").json()
+    assert load["decisions"]["affinity"] == 12 and load["cache_hit_ratio"] > 0
+
+    dead = workers[0]
+    os.kill(dead.process.pid, signal.SIGKILL)
+    os.kill(dead.core_pid, signal.SIGKILL)
+    for session in by_session:  # sessions homed on the dead worker move, none fails
+        response = chat(url, session, 9)
+        assert response.status_code == 200
+        assert response.headers["x-ember-worker"] == workers[1].url
+
+    workers[1].stop()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    response = chat(url, "alpha", 10)
+    assert response.status_code == 503
+    assert "no healthy worker" in response.json()["error"]["message"]
