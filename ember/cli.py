@@ -175,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(router)
     router.set_defaults(func=run_router)
 
+    up = sub.add_parser("up", help="a router and its workers on this machine, in one command")
+    add_engine_args(up)
+    from ember.router.up import add_up_args, run_up
+
+    add_up_args(up)
+    up.set_defaults(func=lambda args: run_up(args, engine_options(args)))
+
     chat = sub.add_parser("chat", help="chat with a running server in the terminal")
     from ember.server.chat_client import add_chat_args
 

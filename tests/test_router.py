@@ -68,6 +68,18 @@ def test_least_load_counts_tokens_not_requests_and_skips_the_unhealthy():
     assert router.choose("x", 16) is None
 
 
+def test_comparison_policies_ignore_sessions_and_prefixes():
+    rr = Router(["http://a", "http://b"], policy="round-robin")
+    urls = [served(rr, SYSTEM, "same-session").worker.url for _ in range(4)]
+    assert urls in (["http://b", "http://a"] * 2, ["http://a", "http://b"] * 2)
+    ll = Router(["http://a", "http://b"], policy="least-load")
+    ll.workers[0].tokens_in_flight = 50
+    assert all(ll.choose(SYSTEM, 16, "s").reason == "least-load" for _ in range(3))
+    assert ll.choose(SYSTEM, 16, "s").worker is ll.workers[1]
+    with pytest.raises(ValueError, match="policy"):
+        Router(["http://a"], policy="random")
+
+
 # -- `ember router` in front of real workers ----------------------------------------------
 
 
@@ -131,3 +143,35 @@ def test_router_keeps_sessions_home_and_survives_a_dead_worker(cluster):
     response = chat(url, "alpha", 10)
     assert response.status_code == 503
     assert "no healthy worker" in response.json()["error"]["message"]
+
+
+def test_ember_up_starts_a_cluster_and_stops_it_all(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    port, worker_port = free_port(), free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli", "up", path, "--mixed", "2", "--port", str(port),
+         "--worker-port", str(worker_port), "--kv-cache-memory", "16M", "--max-model-len", "512"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, EMBER_LOG_LEVEL="WARNING"),
+    )  # fmt: skip
+    try:
+        line = up.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in line
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"] == 2
+        assert chat(f"http://127.0.0.1:{port}", "s", 0).status_code == 200
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    assert not child_processes_naming(path)
+
+
+def child_processes_naming(needle: str) -> list[int]:
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if needle.encode() in f.read():
+                        pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids

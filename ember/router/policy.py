@@ -63,6 +63,41 @@ class Decision:
     hashes: list[bytes]
 
 
+class _Placement:
+    """One request's cost on each worker, and the load bound, while it is being placed."""
+
+    def __init__(self, text: str, max_tokens: int, workers: list[Worker], load_factor: float):
+        self.hashes = chunk_hashes(text)
+        self.workers = workers
+        self.prompt_tokens = len(text) // CHARS_PER_TOKEN + 1
+        self.max_tokens = max_tokens
+        size = self.prompt_tokens + max_tokens
+        total = sum(w.tokens_in_flight for w in workers)
+        self.bound = load_factor * (total + size) / len(workers) + size
+
+    def cost(self, worker: Worker) -> int:
+        cached = worker.matched_chunks(self.hashes) * CHUNK_CHARS // CHARS_PER_TOKEN
+        return max(self.prompt_tokens - cached, 1) + self.max_tokens
+
+    def fits(self, worker: Worker) -> bool:
+        return worker.tokens_in_flight + self.cost(worker) <= self.bound
+
+    def longest_prefix(self) -> Worker | None:
+        """The worker with the strictly longest match (a tie, e.g. a system prompt every
+        worker holds, names nobody)."""
+        matches = sorted(((w.matched_chunks(self.hashes), w) for w in self.workers),
+                         key=lambda m: -m[0])  # fmt: skip
+        runner_up = matches[1][0] if len(matches) > 1 else 0
+        return matches[0][1] if matches[0][0] > runner_up else None
+
+    def cheapest(self) -> Worker:
+        return min(self.workers,
+                   key=lambda w: (w.tokens_in_flight + self.cost(w), w.requests_in_flight))  # fmt: skip
+
+    def decide(self, worker: Worker, reason: str) -> Decision:
+        return Decision(worker, reason, self.cost(worker), self.hashes)
+
+
 def chunk_hashes(text: str) -> list[bytes]:
     """Chained hashes of the text's whole 64-character chunks."""
     hashes, parent = [], b""
@@ -73,12 +108,22 @@ def chunk_hashes(text: str) -> list[bytes]:
     return hashes
 
 
+POLICIES = ("full", "least-load", "round-robin")
+
+
 class Router:
-    def __init__(self, urls: list[str], load_factor: float = 1.25) -> None:
+    """`policy` "full" is the decision order above; "least-load" skips affinity and
+    prefix; "round-robin" ignores everything (both for comparisons)."""
+
+    def __init__(self, urls: list[str], load_factor: float = 1.25, policy: str = "full") -> None:
         if not urls:
             raise ValueError("the router needs at least one worker")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.workers = [Worker(url.rstrip("/")) for url in urls]
         self.load_factor = load_factor
+        self.policy = policy
+        self._next = 0
         self._ring = sorted(
             (_hash(f"{w.url}#{i}"), w) for w in self.workers for i in range(VIRTUAL_NODES)
         )  # fmt: skip
@@ -98,33 +143,19 @@ class Router:
         workers = self.healthy(exclude)
         if not workers:
             return None
-        hashes = chunk_hashes(text)
-        prompt_tokens = len(text) // CHARS_PER_TOKEN + 1
-
-        def cost(w: Worker) -> int:
-            cached = w.matched_chunks(hashes) * CHUNK_CHARS // CHARS_PER_TOKEN
-            return max(prompt_tokens - cached, 1) + max_tokens
-
-        total = sum(w.tokens_in_flight for w in workers)
-        bound = self.load_factor * (total + prompt_tokens + max_tokens) / len(workers)
-        bound += prompt_tokens + max_tokens
-
-        def fits(w: Worker) -> bool:
-            return w.tokens_in_flight + cost(w) <= bound
-
-        if session_id is not None:
+        placement = _Placement(text, max_tokens, workers, self.load_factor)
+        if self.policy == "round-robin":
+            self._next += 1
+            return placement.decide(workers[self._next % len(workers)], "round-robin")
+        if self.policy == "full" and session_id is not None:
             for rank, worker in enumerate(self._ring_order(session_id, workers)):
-                if fits(worker):
-                    return Decision(
-                        worker, "affinity" if rank == 0 else "spill", cost(worker), hashes
-                    )
-        else:
-            matches = sorted(((w.matched_chunks(hashes), w) for w in workers), key=lambda m: -m[0])
-            best, runner_up = matches[0][0], (matches[1][0] if len(matches) > 1 else 0)
-            if best > runner_up and fits(matches[0][1]):
-                return Decision(matches[0][1], "prefix", cost(matches[0][1]), hashes)
-        worker = min(workers, key=lambda w: (w.tokens_in_flight + cost(w), w.requests_in_flight))
-        return Decision(worker, "least-load", cost(worker), hashes)
+                if placement.fits(worker):
+                    return placement.decide(worker, "affinity" if rank == 0 else "spill")
+        elif self.policy == "full":
+            best = placement.longest_prefix()
+            if best is not None and placement.fits(best):
+                return placement.decide(best, "prefix")
+        return placement.decide(placement.cheapest(), "least-load")
 
     def _ring_order(self, session_id: str, workers: list[Worker]) -> list[Worker]:
         """Distinct healthy workers in ring order from the session's hash."""

@@ -21,6 +21,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--health-interval", type=float, default=1.0,
                         help="seconds between health checks of each worker (default 1)")  # fmt: skip
+    parser.add_argument("--policy", default="full", choices=["full", "least-load", "round-robin"],
+                        help="full: affinity, prefix, least load (default); the others for "
+                             "comparisons")  # fmt: skip
     parser.add_argument("--load-factor", type=float, default=1.25,
                         help="a worker over this x the mean load takes no affinity or "
                              "prefix traffic (default 1.25)")  # fmt: skip
@@ -39,7 +42,7 @@ def run_router(args: argparse.Namespace) -> int:
         raise ValueError("--mixed: give at least one worker URL")
     if args.load_factor < 1:
         raise ValueError("--load-factor must be >= 1")
-    app = build_router_app(Router(args.mixed, args.load_factor), args.health_interval)
+    app = build_router_app(Router(args.mixed, args.load_factor, args.policy), args.health_interval)
     logger.info("routing http://%s:%d -> %s", args.host, args.port, ", ".join(args.mixed))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
     return 0
