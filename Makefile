@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0 $(PIP_TORCH_FLAGS)
 	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/python -c "from ember.engine.kernels import cpu_kernels; cpu_kernels()"  # C++ kernels, ~30 s once
+	$(BIN)/python -c "from ember.engine.kernels import cpu_kernels; cpu_kernels()"  # C++ kernels, 0.5-2 min once per checkout
 	touch $(STAMP)
 
 install: $(STAMP)

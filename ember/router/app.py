@@ -3,8 +3,8 @@
 Life cycle of a request: read the body, pick a worker (`policy.Router.choose`), forward
 the request unchanged (with its x-session-affinity header) and relay the response byte
 for byte, streaming or not, with `x-ember-worker` naming the worker. A worker that cannot
-be reached before it answered anything leaves the pool and the request is retried on
-another (reason "retry"); when no worker is healthy the client gets a 503 saying so. The
+be reached, or answers 503 (its engine is gone), leaves the pool and the request is
+retried on another (reason "retry"); when no worker is healthy the client gets a 503 saying so. The
 usage of every response is read on the way through for the cluster's cache hit ratio.
 A health loop polls each worker's /load every `health_interval` seconds: a worker that
 fails leaves the pool, one that answers again comes back.
@@ -168,7 +168,10 @@ async def _forward(state: RouterState, request: Request, path: str):
     headers = {k: v for k, v in request.headers.items()
                if k.lower() in ("authorization", SESSION_HEADER, "content-type")}  # fmt: skip
     text = _prompt_text(body)
-    max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 256)
+    try:
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 256)
+    except (TypeError, ValueError):
+        max_tokens = 256  # the worker will answer the bad value with a 400
     tried: set[str] = set()
     while True:
         decision = state.router.choose(text, max_tokens, session_id, tried)
@@ -181,12 +184,17 @@ async def _forward(state: RouterState, request: Request, path: str):
         try:
             upstream = await _open(state, decision, path, raw, headers)
         except httpx.TransportError as exc:
-            state.router.finish(decision)
-            logger.warning("worker %s unreachable (%s); retrying", decision.worker.url, exc)
-            decision.worker.healthy = False
-            tried.add(decision.worker.url)
-            continue
-        return _relay(state, decision, upstream, session_id)
+            upstream, why = None, f"unreachable ({exc})"
+        else:
+            why = "unavailable (503)" if upstream.status_code == 503 else None
+        if why is None:
+            return _relay(state, decision, upstream, session_id)
+        if upstream is not None:  # its engine is gone; nothing was started there
+            await upstream.aclose()
+        state.router.finish(decision)
+        logger.warning("worker %s %s; retrying elsewhere", decision.worker.url, why)
+        decision.worker.healthy = False
+        tried.add(decision.worker.url)
 
 
 async def _open(state: RouterState, decision: Decision, path: str, raw: bytes, headers: dict):

@@ -126,6 +126,19 @@ class ServingBase:
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
 
+    def chunk(self, kind: str, request_id, created, choices, usage_block=None) -> dict:
+        """One streamed object (`kind`: chat.completion.chunk or text_completion)."""
+        chunk = {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+        if usage_block is not None:
+            chunk["usage"] = usage_block
+        return chunk
+
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:

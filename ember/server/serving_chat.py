@@ -141,7 +141,7 @@ class ChatServing(ServingBase):
 
         def chunk(index, delta, finish=None, logprobs=None):
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return sse(self._chunk(request_id, created, [choice]))
+            return sse(self.chunk("chat.completion.chunk", request_id, created, [choice]))
 
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -169,17 +169,5 @@ class ChatServing(ServingBase):
             yield SSE_DONE
             return
         if request.include_usage and final is not None:
-            yield sse(self._chunk(request_id, created, [], usage([final])))
+            yield sse(self.chunk("chat.completion.chunk", request_id, created, [], usage([final])))
         yield SSE_DONE
-
-    def _chunk(self, request_id, created, choices, usage_block=None) -> dict:
-        chunk = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model_name,
-            "choices": choices,
-        }
-        if usage_block is not None:
-            chunk["usage"] = usage_block
-        return chunk

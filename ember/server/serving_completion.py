@@ -95,7 +95,7 @@ class CompletionServing(ServingBase):
                     choice = self._choice(
                         index, seq, seq.delta_text, seq.delta_logprobs, seq.finish_reason, num_top
                     )
-                    yield sse(self._chunk(request_id, created, [choice]))
+                    yield sse(self.chunk("text_completion", request_id, created, [choice]))
                 if output.finished:
                     finals[prompt_index] = output
         except (EngineDeadError, ValueError) as exc:
@@ -104,17 +104,5 @@ class CompletionServing(ServingBase):
             return
         if request.include_usage:
             ordered = [finals[i] for i in sorted(finals)]
-            yield sse(self._chunk(request_id, created, [], usage(ordered)))
+            yield sse(self.chunk("text_completion", request_id, created, [], usage(ordered)))
         yield SSE_DONE
-
-    def _chunk(self, request_id, created, choices, usage_block=None) -> dict:
-        chunk = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": choices,
-        }
-        if usage_block is not None:
-            chunk["usage"] = usage_block
-        return chunk
