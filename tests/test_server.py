@@ -340,9 +340,14 @@ def test_queue_limit_answers_429(tiny_checkpoint):
         return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
 
     try:
-        # six at once: one runs (one sequence at a time), one may wait, the rest are refused
         with ThreadPoolExecutor(6) as pool:
-            responses = list(pool.map(post, range(6)))
+            first = pool.submit(post, 0)
+            deadline = time.monotonic() + 30
+            while srv.load()["num_running"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the first runs (one sequence at a time) ...
+            # ... then five at once: one may wait, the rest are refused
+            rest = list(pool.map(post, range(5)))
+            responses = [first.result(), *rest]
         codes = sorted(r.status_code for r in responses)
         assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}
         for response in responses:
