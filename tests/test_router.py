@@ -64,6 +64,8 @@ def test_least_load_counts_tokens_not_requests_and_skips_the_unhealthy():
     c.healthy = False
     decision = router.choose("x" * 400, 16)
     assert decision.worker is b and decision.reason == "least-load"
+    b.reported = {"num_queued_prefill_tokens": 9_000}  # work from elsewhere, seen on /load
+    assert router.choose("x" * 400, 16).worker is a
     b.healthy = a.healthy = False
     assert router.choose("x", 16) is None
 

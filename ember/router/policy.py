@@ -4,7 +4,8 @@ The router never sees token ids, so it measures prompts in approximate tokens (c
 / 4) and remembers, per worker, the chained hashes of the prompts' 64-character chunks
 it sent there (an approximate prefix tree, as a bounded LRU set). Load is the router's
 own count of tokens in flight on each worker (uncached prompt tokens + max output),
-released when the response ends.
+released when the response ends, or the worker's own queued prefill tokens from its
+last /load report when those are more (work that reached it some other way).
 
 Decision order (`Router.choose`):
     1. affinity   x-session-affinity -> the session's home on a consistent-hash ring;
@@ -39,6 +40,12 @@ class Worker:
     reported: dict = field(default_factory=dict)  # its last /load report
     chunks: OrderedDict = field(default_factory=OrderedDict)  # prefix hashes, LRU
 
+    @property
+    def load(self) -> int:
+        """Tokens of work ahead of a new request: the router's own count, or the worker's
+        queued prefill tokens when it reports more (work sent by other routers/clients)."""
+        return max(self.tokens_in_flight, int(self.reported.get("num_queued_prefill_tokens", 0)))
+
     def matched_chunks(self, hashes: list[bytes]) -> int:
         count = 0
         for h in hashes:
@@ -72,7 +79,7 @@ class _Placement:
         self.prompt_tokens = len(text) // CHARS_PER_TOKEN + 1
         self.max_tokens = max_tokens
         size = self.prompt_tokens + max_tokens
-        total = sum(w.tokens_in_flight for w in workers)
+        total = sum(w.load for w in workers)
         self.bound = load_factor * (total + size) / len(workers) + size
 
     def cost(self, worker: Worker) -> int:
@@ -80,7 +87,7 @@ class _Placement:
         return max(self.prompt_tokens - cached, 1) + self.max_tokens
 
     def fits(self, worker: Worker) -> bool:
-        return worker.tokens_in_flight + self.cost(worker) <= self.bound
+        return worker.load + self.cost(worker) <= self.bound
 
     def longest_prefix(self) -> Worker | None:
         """The worker with the strictly longest match (a tie, e.g. a system prompt every
@@ -92,7 +99,7 @@ class _Placement:
 
     def cheapest(self) -> Worker:
         return min(self.workers,
-                   key=lambda w: (w.tokens_in_flight + self.cost(w), w.requests_in_flight))  # fmt: skip
+                   key=lambda w: (w.load + self.cost(w), w.requests_in_flight))  # fmt: skip
 
     def decide(self, worker: Worker, reason: str) -> Decision:
         return Decision(worker, reason, self.cost(worker), self.hashes)
