@@ -263,6 +263,18 @@ def test_cached_index_opens_the_same_checkpoint_without_parsing(
         assert torch.equal(weights[name], tensor), name
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def test_torch_dequantization_is_bit_identical_to_gguf(qtype: QT) -> None:
+    from ember.loader.dequant import dequantize
+
+    rng = np.random.default_rng(3)
+    weights = rng.standard_normal((96, 256), dtype=np.float32) * rng.uniform(0.01, 50)
+    data = gguf.quants.quantize(weights, qtype)
+    ours = dequantize(data, qtype)
+    assert ours.dtype == np.float32 and ours.shape == weights.shape
+    assert np.array_equal(ours, gguf.quants.dequantize(data, qtype))
+
+
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
     _, type_size = gguf.GGML_QUANT_SIZES[QT.Q8_1]
     raw = np.zeros((HIDDEN, HIDDEN // 32 * type_size), np.uint8)

@@ -19,13 +19,16 @@ import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+from ember.loader.dequant import dequantize
 from ember.loader.gguf_index import GGUFIndex
 from ember.loader.gguf_index import cache_dir as gguf_cache_dir
 from ember.loader.gguf_index import tensors as indexed_tensors
@@ -223,7 +226,7 @@ def _hf_name(gguf_name: str) -> str:
 
 def _dequantize(tensor: Any) -> np.ndarray:
     hf_shape = tuple(reversed(tensor.shape.tolist()))
-    weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape)
+    weights = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape)
     # F32 comes back as a read-only view of the mmap: copy it so torch owns writable memory.
     return np.require(weights, dtype=np.float32, requirements=["C", "W"])
 
@@ -254,6 +257,8 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer stored in a GGUF file, with its chat template (via transformers' GGUF
     support). Building it parses the whole file's metadata (~10 s for SmolLM2), so the
     result is kept in the cache directory, keyed by the file's path, size and mtime."""
+    from transformers import AutoTokenizer  # here: the engine process never needs it
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF file not found: {path}")
