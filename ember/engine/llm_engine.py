@@ -1,4 +1,5 @@
-"""The frontend and the engine core in one process: what `LLM` and `AsyncLLM` drive.
+"""The frontend and the engine core in one process: what the offline `LLM` drives
+(`AsyncLLM`, for servers, runs the same frontend with the core in its own process).
 
 `add_request` checks and tokenizes, `step` runs one engine step and returns the
 RequestOutputs it changed, `abort_request` ends a request at any moment.

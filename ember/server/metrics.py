@@ -23,22 +23,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
-        self.ttft = Histogram(
-            "ember_time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "ember_inter_token_latency_seconds", "Time between output tokens.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "ember_e2e_request_latency_seconds", "Request arrival to last token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.queue = Histogram(
-            "ember_request_queue_time_seconds", "Time waiting before first scheduled.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("ember_time_to_first_token_seconds", "Time to first token.")
+        self.itl = latency("ember_inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = latency("ember_e2e_request_latency_seconds", "Request arrival to last token.")
+        self.queue = latency(
+            "ember_request_queue_time_seconds", "Time waiting before first scheduled."
+        )
         self.prompt_tokens = Counter(
             "ember_prompt_tokens", "Prompt tokens received.", labels, registry=r
         )

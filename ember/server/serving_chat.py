@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from ember.engine.async_llm import EngineDeadError
-from ember.engine.processor import ProcessedPrompt
 from ember.outputs import CompletionOutput
 from ember.server.chat import (
     ToolCallParser,
@@ -86,7 +85,6 @@ class ChatServing(ServingBase):
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
         prompt = self.check_prompt(prompt_ids, params, param="messages")
-        prompt = ProcessedPrompt(None, prompt.prompt_token_ids)
         self.check_capacity()
         request_id = new_id("chatcmpl")
         stream = self.generate(prompt, params, request_id, ctx, plan.grammar)
