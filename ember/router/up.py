@@ -1,8 +1,9 @@
 """`ember up`: a router and its workers on one machine, from one command.
 
 Life cycle: start K mixed workers (`ember serve` on ports --worker-port, +1, ...; with
---pin each on its own share of the CPU cores), then `ember router` on --port in front of
-them; wait until every one answers /health; print the URL; then wait. Ctrl-C or SIGTERM
+--pin each on its own share of the CPU cores); once all answer /health, start `ember
+router` on --port in front of them and wait until it counts all K healthy; print the
+URL; then wait. Ctrl-C or SIGTERM
 (or the router exiting) stops them all: SIGTERM to each, SIGKILL to any still running
 after a grace period. A worker that dies is reported; the router routes around it.
 """
@@ -73,9 +74,10 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
             urls.append(f"http://127.0.0.1:{port}")
             command = ["serve", *model, "--port", str(port), *worker_flags(engine_options)]
             cluster.start(f"worker {i}", command, cores)
+        cluster.wait_healthy(urls)
         router_args = [a for url in urls for a in ("--mixed", url)]
         cluster.start("router", ["router", "--port", str(args.port), *router_args])
-        cluster.wait_healthy([*urls, f"http://127.0.0.1:{args.port}"])
+        cluster.wait_healthy([f"http://127.0.0.1:{args.port}"], num_workers=len(urls))
         print(f"ember cluster ready: http://127.0.0.1:{args.port}/v1 "
               f"(router) -> {', '.join(urls)}", flush=True)  # fmt: skip
         cluster.watch()
@@ -101,14 +103,15 @@ class Cluster:
             [sys.executable, "-m", "ember.cli", *command], preexec_fn=pin
         )
 
-    def wait_healthy(self, urls: list[str]) -> None:
+    def wait_healthy(self, urls: list[str], num_workers: int | None = None) -> None:
+        """Until each URL answers /health (a router: with all num_workers in its pool)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         pending = list(urls)
         while pending:
             self._check_alive()
             if self.stopping.is_set() or time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not become healthy")
-            pending = [u for u in pending if not _healthy(u)]
+            pending = [u for u in pending if not _healthy(u, num_workers)]
             time.sleep(0.3)
 
     def watch(self) -> None:
@@ -139,8 +142,11 @@ class Cluster:
                 process.wait()
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, num_workers: int | None = None) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
+        response = httpx.get(f"{url}/health", timeout=1.0)
+        if response.status_code != 200:
+            return False
+        return num_workers is None or response.json().get("workers") == num_workers
+    except (httpx.HTTPError, ValueError):
         return False
