@@ -102,9 +102,11 @@ class ChatServing(ServingBase):
 
     def _choice(self, seq: CompletionOutput, plan: ToolPlan, num_top: int) -> dict:
         text = _ChoiceText(plan)
-        content, calls = text.feed(seq.text, finished=True)
         if plan.mode == "named":  # the whole argument string in one call
-            calls = [dict(new_tool_call(plan.function, seq.text), index=0)]
+            content, calls = "", [new_tool_call(plan.function, seq.text)]
+            text.num_calls = 1
+        else:
+            content, calls = text.feed(seq.text, finished=True)
         message: dict = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
