@@ -116,6 +116,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
     seed: int = 0
+    # disaggregation (the KV connector); the cluster secret comes from $EMBER_KV_SECRET
+    kv_role: str = "mixed"  # mixed | prefill | decode
+    kv_transport: str = "auto"  # auto (shm on one host, else tcp) | tcp | shm | mooncake | fake
+    kv_host: str = "127.0.0.1"  # a prefill worker's KV endpoint binds and advertises this
+    kv_port: int = 0  # 0: any free port
+    kv_hold_timeout: float = 30.0  # seconds a prefill keeps blocks no decode worker fetched
+    kv_load_timeout: float = 10.0  # seconds a decode worker waits on a transfer's socket
+    kv_checksum: bool = False  # CRC-32 over every transfer (costs about a third of its speed)
+    kv_fake_fault: str | None = None  # the fake transport's fault (tests)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -140,6 +149,15 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, sdpa or cpu-paged; got {self.attention_backend!r}"
             )
+        if self.kv_role not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"kv_role must be mixed, prefill or decode; got {self.kv_role!r}")
+        if self.kv_transport not in ("auto", "tcp", "shm", "mooncake", "fake"):
+            raise ValueError(
+                f"kv_transport must be auto, tcp, shm, mooncake or fake; got {self.kv_transport!r}"
+            )
+        for name in ("kv_hold_timeout", "kv_load_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
 

@@ -19,3 +19,10 @@ def log_level() -> str:
 def api_key() -> str | None:
     """The key `ember serve` requires of clients when --api-key is not given: $EMBER_API_KEY."""
     return os.environ.get("EMBER_API_KEY") or None
+
+
+def kv_secret() -> bytes | None:
+    """The cluster's shared secret for KV transfers: $EMBER_KV_SECRET (never on a command
+    line, where other users could read it)."""
+    value = os.environ.get("EMBER_KV_SECRET")
+    return value.encode() if value else None

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from ember import envs
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -23,6 +24,7 @@ from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.structured_output import GrammarCompiler, GrammarMatcher
+from ember.kv.connector import KVConnectorScheduler, KVConnectorWorker
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
 
 logger = logging.getLogger("ember.engine")
@@ -45,16 +47,42 @@ class EngineCore:
                 f"fewer than one sequence of max_model_len={self.max_model_len} needs "
                 f"({min_blocks}); raise kv_cache_memory or lower max_model_len"
             )
-        self.runner.allocate_kv_cache(num_blocks)
+        # a prefill worker's KV lives in shared memory, for decode workers on its host
+        self.runner.allocate_kv_cache(num_blocks, shared=config.kv_role == "prefill")
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.connector = self._make_connector(config)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
+            self.kv_cache,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            self.connector,
         )
         self.checkpoint = checkpoint
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
         self.num_requests_received = 0
         logger.info("engine ready in %.2f s", time.perf_counter() - start)
+
+    def _make_connector(self, config: EngineConfig) -> KVConnectorScheduler:
+        worker = KVConnectorWorker(
+            self.runner.kv_caches,
+            role=config.kv_role,
+            transport=config.kv_transport,
+            secret=envs.kv_secret(),
+            host=config.kv_host,
+            port=config.kv_port,
+            timeout=config.kv_load_timeout,
+            checksum=config.kv_checksum,
+            fake_fault=config.kv_fake_fault,
+            shm_path=self.runner.kv_shm_path,
+        )
+        return KVConnectorScheduler(worker, config.block_size, config.kv_hold_timeout)
+
+    def close(self) -> None:
+        """Stops the KV endpoint and removes the shared-memory KV file, if any."""
+        self.connector.worker.close()
+        self.runner.free_kv_cache()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -81,9 +109,16 @@ class EngineCore:
             for sequence_id in self._sequence_ids.get(request_id, [request_id]):
                 self.scheduler.abort(sequence_id)
             self._forget(request_id)
+            self.connector.drop_hold(request_id)  # a prefill the frontend will not hand over
 
     def _make_requests(self, core_request: EngineCoreRequest) -> list[Request]:
         params = core_request.params
+        kv = core_request.kv_transfer
+        remote = kv.remote_prefill if kv is not None else None
+        if kv is not None and params.n > 1:
+            raise ValueError("kv_transfer_params: only requests with n = 1 can be disaggregated")
+        if remote is not None:
+            self._check_remote(remote, core_request)
         requests: list[Request] = []
         for i in range(params.n):
             seq_params = params
@@ -100,9 +135,34 @@ class EngineCore:
                     cache_salt=core_request.cache_salt,
                     wait_for=requests[0] if requests else None,
                     grammar=self._matcher(core_request.grammar),
+                    kv_transfer=kv,
                 )
             )
+        if remote is not None:  # the prefill worker's first token is already output
+            request = requests[0]
+            for token_id in remote.first_token_ids:
+                request.token_ids.append(token_id)
+                if request.grammar is not None:
+                    request.grammar.accept(token_id)
         return requests
+
+    def _check_remote(self, remote, core_request: EngineCoreRequest) -> None:
+        if remote.num_tokens != len(core_request.prompt_token_ids):
+            raise ValueError(
+                f"kv_transfer_params: the prefill worker held {remote.num_tokens} prompt "
+                f"tokens, this request has {len(core_request.prompt_token_ids)}"
+            )
+        if remote.block_size != self.config.block_size:
+            raise ValueError(
+                f"kv_transfer_params: block_size {remote.block_size} differs from this "
+                f"worker's {self.config.block_size}"
+            )
+        if remote.block_bytes != self.connector.worker.block_bytes:
+            raise ValueError("kv_transfer_params: the prefill worker's KV layout differs")
+        if not 0 < len(remote.first_token_ids) < core_request.max_tokens:
+            raise ValueError("kv_transfer_params: first_token_ids must leave tokens to generate")
+        if len(remote.block_ids) != -(-remote.num_tokens // remote.block_size):
+            raise ValueError("kv_transfer_params: block_ids do not cover the prompt")
 
     def _matcher(self, grammar: str | None) -> GrammarMatcher | None:
         if grammar is None:
@@ -120,7 +180,15 @@ class EngineCore:
             self._sequence_ids.pop(user_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.connector.num_loading > 0
+
+    def has_runnable(self) -> bool:
+        """Work a step can do now (not only waiting for KV to arrive)."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def holds_kv(self) -> bool:
+        """Finished prefills' blocks wait for decode workers (steps free them when done)."""
+        return self.connector.num_held > 0
 
     def step(self) -> list[EngineCoreOutput]:
         sched_out = self.scheduler.schedule()
@@ -143,6 +211,7 @@ class EngineCore:
                     finish_reason=request.status.value if request.status.finished else None,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_time=_queue_time(request) if first else None,
+                    kv_transfer_params=request.handed_over,
                 )
             )
             if request.status.finished:
@@ -150,7 +219,7 @@ class EngineCore:
         return outputs
 
     def stats(self) -> EngineStats:
-        sched = self.scheduler
+        sched, kv = self.scheduler, self.connector
         queued = sum(
             max(r.num_prompt_tokens - r.num_computed_tokens, 0)
             for r in list(sched.waiting) + sched.running
@@ -164,6 +233,15 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache.stats.queries,
             prefix_cache_hits=self.kv_cache.stats.hits,
             num_requests_received=self.num_requests_received,
+            num_prompt_tokens_computed=sched.num_prompt_tokens_computed,
+            num_waiting_for_kv=kv.num_loading,
+            kv_loads_ok=kv.stats.loads_ok,
+            kv_loads_failed=kv.stats.loads_failed,
+            kv_bytes_received=kv.stats.bytes_received,
+            kv_load_seconds=kv.stats.load_seconds[-100:],
+            kv_held=kv.num_held,
+            kv_holds_expired=kv.stats.holds_expired,
+            kv_bytes_sent=kv.worker.server.num_bytes_sent if kv.worker.server else 0,
         )
 
 

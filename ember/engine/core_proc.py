@@ -36,6 +36,7 @@ from ember.engine.messages import (
 logger = logging.getLogger("ember.engine")
 
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is still there
+KV_POLL_MS = 2  # how often an engine with KV on its way (or held for others) looks again
 
 
 class EngineCoreProc:
@@ -50,16 +51,22 @@ class EngineCoreProc:
     def run(self, parent_pid: int) -> None:
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
+        core = self.core
+        last_state = None
         while not self.stopping:
-            busy = self.core.has_unfinished()
-            received = bool(poller.poll(0 if busy else IDLE_POLL_MS))
-            if not received and not busy and os.getppid() != parent_pid:
+            busy = core.has_runnable()
+            pending = core.has_unfinished() or core.holds_kv()  # KV arriving or held
+            timeout = 0 if busy else KV_POLL_MS if pending else IDLE_POLL_MS
+            received = bool(poller.poll(timeout))
+            if not received and not pending and os.getppid() != parent_pid:
                 logger.warning("frontend process is gone; engine core exits")
                 break
             errors = self._drain_inputs() if received else []
-            outputs = self.core.step() if self.core.has_unfinished() else []
-            if outputs or received or busy:  # stats go out with every change, and only then
-                self._send(EngineCoreOutputs(outputs, self.core.stats(), errors))
+            outputs = core.step() if core.has_unfinished() or core.holds_kv() else []
+            state = (core.kv_cache.num_free_blocks, core.connector.num_loading)
+            if outputs or received or busy or state != last_state:  # stats go out on changes
+                self._send(EngineCoreOutputs(outputs, core.stats(), errors))
+                last_state = state
         for request_id in list(self.core.scheduler.requests):
             self.core.abort_requests([request_id])
 
@@ -120,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         output_socket.send(
             encoder.encode(EngineReady(core.max_model_len, core.kv_cache.num_blocks))
         )
-        proc.run(parent_pid)
+        try:
+            proc.run(parent_pid)
+        finally:
+            core.close()
         return 0
     except Exception as exc:
         logger.exception("engine core failed")

@@ -132,6 +132,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_block_ids: dict[str, list[int]] = {}  # each request's block table
         self.num_hashed_blocks: dict[str, int] = {}
+        self.held: dict[str, list[int]] = {}  # finished prefills' blocks kept for a transfer
         self.stats = PrefixCacheStats()
 
     @property
@@ -178,11 +179,13 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: Sequence[KVCacheBlock] = (),
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Makes room for `num_new_tokens` more tokens; None when there is not enough.
 
         `computed_blocks` are prefix-cache hits for a request being admitted; on success
-        they join its block table ahead of the new blocks.
+        they join its block table ahead of the new blocks. With `cache=False` the new
+        blocks stay unfindable until `cache_blocks` (their KV is still on its way).
         """
         ids = self.req_block_ids.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -196,9 +199,23 @@ class KVCacheManager:
         ids = self.req_block_ids.setdefault(request.request_id, ids)
         ids.extend(b.block_id for b in computed_blocks)
         ids.extend(b.block_id for b in new_blocks)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(request, ids, num_total)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Makes the full blocks of a request's first `num_tokens` findable (KV now there)."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, self.req_block_ids[request.request_id], num_tokens)
+
+    def hold(self, request: Request, key: str) -> None:
+        """Keeps a finished request's blocks under `key` (for a transfer) instead of freeing."""
+        self.num_hashed_blocks.pop(request.request_id, None)
+        self.held[key] = self.req_block_ids.pop(request.request_id, [])
+
+    def release_held(self, key: str) -> None:
+        ids = self.held.pop(key, [])
+        self.pool.free([self.pool.blocks[i] for i in reversed(ids)])
 
     def free(self, request: Request) -> None:
         """Returns all of a request's blocks; the last ones are evicted first."""
@@ -218,7 +235,7 @@ class KVCacheManager:
     def check_integrity(self) -> bool:
         self.pool.check_integrity()
         refs = [0] * self.pool.num_blocks
-        for ids in self.req_block_ids.values():
+        for ids in [*self.req_block_ids.values(), *self.held.values()]:
             for block_id in ids:
                 refs[block_id] += 1
         for block in self.pool.blocks:

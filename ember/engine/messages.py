@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ember.kv.params import KVTransferParams, RemotePrefill
 from ember.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     cache_salt: str | None = None
     session_id: str | None = None  # from x-session-affinity; logged, used by routers
     grammar: str | None = None  # an llguidance grammar every output must follow
+    kv_transfer: KVTransferParams | None = None  # disaggregation: hold for, or load from
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -50,6 +52,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int
     queue_time: float | None = None  # seconds waiting before first scheduled; first output
+    kv_transfer_params: RemotePrefill | None = None  # a finished prefill held for decode
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -61,6 +64,15 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_requests_received: int = 0  # AddRequest messages taken so far (for admission control)
+    num_prompt_tokens_computed: int = 0  # by the model (not found cached, not loaded)
+    num_waiting_for_kv: int = 0  # requests whose prompt KV is on its way
+    kv_loads_ok: int = 0
+    kv_loads_failed: int = 0  # (then recomputed)
+    kv_bytes_received: int = 0
+    kv_load_seconds: list[float] = []  # recent loads' durations
+    kv_held: int = 0  # finished prefills whose blocks wait for a decode worker
+    kv_holds_expired: int = 0  # never fetched within kv_hold_timeout
+    kv_bytes_sent: int = 0
 
 
 class RequestError(msgspec.Struct):

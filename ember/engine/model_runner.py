@@ -15,6 +15,7 @@ from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from ember.engine.sampler import Sampler, SamplerOutput
 from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
+from ember.kv import buffers as kv_buffers
 from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
 from ember.models.layers import can_pack_for_cpu
@@ -48,6 +49,7 @@ class ModelRunner:
         self.model = self._load_model(checkpoint, max_model_len)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_shm_path: str | None = None
 
     def _load_model(self, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
         model_cls = get_model_class(self.model_config.architecture)
@@ -83,19 +85,24 @@ class ModelRunner:
             return int(free * (fraction or 0.9))
         return min(int(_available_host_memory() * (fraction or 0.5)), CPU_KV_CACHE_CAP)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, shared: bool = False) -> None:
+        """Allocates the KV tensors; `shared`: in one shared-memory file (CPU only)."""
         cfg = self.model_config
         shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches, self.kv_shm_path = kv_buffers.allocate(
+            shape, cfg.num_hidden_layers, self.dtype, self.device, shm=shared
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GB)",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_block_bytes / 1e9,
         )
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = []
+        kv_buffers.remove_shm(self.kv_shm_path)
+        self.kv_shm_path = None
 
     def _profile_peak_memory(self) -> None:
         """Runs the largest prefill once so the free-memory reading leaves room for it."""

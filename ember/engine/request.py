@@ -1,6 +1,8 @@
 """One request as the engine core sees it.
 
-Life cycle: WAITING -> RUNNING -> FINISHED_*; a RUNNING request whose blocks are taken
+Life cycle: WAITING -> RUNNING -> FINISHED_*; a request whose prompt KV comes from a
+prefill worker goes WAITING -> WAITING_FOR_KV -> RUNNING (or back to WAITING to
+recompute, if the transfer fails); a RUNNING request whose blocks are taken
 back (preemption by recompute) returns to WAITING with `num_computed_tokens = 0` and
 keeps its output so far, which is recomputed as if it were prompt.
 
@@ -27,10 +29,12 @@ from ember.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ember.engine.structured_output import GrammarMatcher
+    from ember.kv.params import KVTransferParams, RemotePrefill
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -53,6 +57,8 @@ class Request:
     wait_for: Request | None = None
     # grammar-constrained decoding: the sampler masks to what this allows (structured_output)
     grammar: GrammarMatcher | None = None
+    # disaggregation: hold the prompt's blocks for a decode worker, or load them from one
+    kv_transfer: KVTransferParams | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -65,6 +71,7 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.generator: torch.Generator | None = None
+        self.handed_over: RemotePrefill | None = None  # set when finished and held
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 

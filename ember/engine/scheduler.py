@@ -7,6 +7,11 @@ KV cache allow. A prefix-cache hit simply admits a request with tokens already c
 When a running request cannot get a block, the most recently admitted running request
 is preempted (its blocks freed, to be recomputed later); the oldest request always
 makes progress, so there is neither deadlock nor starvation.
+
+With a KV connector, a waiting request whose prompt KV is on a prefill worker is
+admitted into WAITING_FOR_KV (blocks allocated, no budget spent) while its blocks
+arrive, and joins the running requests once they have; a finished prefill that a decode
+worker will fetch keeps its blocks until the connector lets them go.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from ember.kv.connector import KVConnectorScheduler
 
 
 @dataclass
@@ -65,8 +74,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -74,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_prompt_tokens_computed = 0  # by the model, since start (not cached or loaded)
 
     @property
     def num_unfinished(self) -> int:
@@ -90,6 +102,11 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if request.status == RequestStatus.WAITING_FOR_KV:
+            # a thread is writing its blocks: they are freed when its load ends
+            request.status = RequestStatus.FINISHED_ABORTED
+            del self.requests[request.request_id]
+            return request
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -98,6 +115,10 @@ class Scheduler:
         return request
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self._end_loads()
+            for key in self.connector.collect():
+                self.kv_cache.release_held(key)
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
@@ -124,21 +145,24 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_admitted < self.max_num_seqs:
             request = self.waiting.popleft()
             if request.wait_for is not None and not request.wait_for.prefill_done:
                 deferred.append(request)  # n > 1: share the sibling's prompt blocks
                 continue
             hits, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_external = self.connector.external_tokens(request, num_hit) if self.connector else 0
+            if num_external:
+                if not self._start_load(request, hits, num_hit, num_external):
+                    break
+                continue
+            if self.connector is not None:
+                self.connector.release_unused(request)  # nothing (more) to load
             num_new = min(request.num_tokens - num_hit, budget)
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
                 self.waiting.appendleft(request)
                 break
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-                request.first_scheduled_time = time.monotonic()
-                self.kv_cache.record_admission(request, num_hit)
+            self._admit(request, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(
@@ -146,6 +170,45 @@ class Scheduler:
             )
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
+
+    @property
+    def _num_admitted(self) -> int:
+        loading = self.connector.num_loading if self.connector is not None else 0
+        return len(self.running) + loading
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            cached = self.connector.cached_tokens(request, num_hit) if self.connector else num_hit
+            request.num_cached_tokens = cached
+            request.first_scheduled_time = time.monotonic()
+            self.kv_cache.record_admission(request, num_hit)
+
+    def _start_load(self, request: Request, hits, num_hit: int, num_external: int) -> bool:
+        """Admits a request whose prompt KV comes from outside; False if no blocks yet."""
+        if self.kv_cache.allocate_slots(request, num_external, hits, cache=False) is None:
+            self.waiting.appendleft(request)
+            return False
+        self._admit(request, num_hit)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.connector.start_load(request, self.kv_cache.block_ids(request.request_id), num_hit)
+        return True
+
+    def _end_loads(self) -> None:
+        for request, ok in self.connector.finished_loads():
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self.kv_cache.free(request)
+            elif ok:
+                request.num_computed_tokens = request.num_prompt_tokens
+                self.kv_cache.cache_blocks(request, request.num_prompt_tokens)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+            else:  # recompute the prompt here, like any request
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
+                request.kv_transfer = None
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
 
     def update(
         self, out: SchedulerOutput, sampled: dict[str, int]
@@ -159,6 +222,8 @@ class Scheduler:
         finished: list[Request] = []
         for sched in out.scheduled:
             request = sched.request
+            prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+            self.num_prompt_tokens_computed += max(min(sched.num_new_tokens, prompt_left), 0)
             request.num_computed_tokens += sched.num_new_tokens
             token = sampled.get(request.request_id)
             if token is None:
@@ -181,5 +246,13 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache.free(request)
+        handed_over = None
+        if self.connector is not None and status == RequestStatus.FINISHED_LENGTH:
+            block_ids = self.kv_cache.block_ids(request.request_id)
+            handed_over = self.connector.hold(request, block_ids)
+        if handed_over is not None:  # a decode worker will fetch them
+            request.handed_over = handed_over
+            self.kv_cache.hold(request, handed_over.transfer_id)
+        else:
+            self.kv_cache.free(request)
         del self.requests[request.request_id]

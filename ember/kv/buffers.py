@@ -1,0 +1,98 @@
+"""An engine's KV tensors seen as blocks of bytes, and where they live.
+
+The model runner keeps one tensor per layer, `[2 (k, v), num_blocks, block_size, heads,
+head_dim]`, so block b of layer l is two contiguous chunks (its keys, its values).
+Blocks move layer by layer: for each layer, keys then values, for each block in the
+order given; runs of consecutive block ids are moved as one chunk.
+
+A prefill worker on one host with its decode workers keeps its KV tensors in one file in
+/dev/shm (mode 0600, removed when the engine stops), so a decode worker can copy blocks
+out of it directly (the shared-memory transport).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator, Sequence
+
+import torch
+
+SHM_DIR = "/dev/shm"
+
+
+def allocate(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device, shm: bool):
+    """Per-layer KV tensors; with `shm`, views of one shared-memory file (path returned)."""
+    if not shm or torch.device(device).type != "cpu" or not os.path.isdir(SHM_DIR):
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], None
+    numel = num_layers * _numel(shape)
+    path = os.path.join(SHM_DIR, f"ember-kv-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, numel * dtype.itemsize)  # tmpfs: zero-filled, pages on first touch
+    finally:
+        os.close(fd)
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return list(flat.view(num_layers, *shape).unbind(0)), path
+
+
+def map_shm(path: str, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """Another engine's KV tensors, mapped from its shared-memory file."""
+    numel = num_layers * _numel(shape)
+    if os.path.getsize(path) != numel * dtype.itemsize:
+        raise ValueError(f"{path} does not hold a KV cache of this layout")
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return list(flat.view(num_layers, *shape).unbind(0))
+
+
+def remove_shm(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive block ids as (first, count) runs."""
+    out: list[tuple[int, int]] = []
+    for b in block_ids:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
+
+
+def chunks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> Iterator[memoryview]:
+    """The bytes of `block_ids` in transfer order, as writable views into the tensors."""
+    block_runs = runs(block_ids)
+    for layer in kv_caches:
+        for kv in (0, 1):
+            for first, count in block_runs:
+                part = layer[kv, first : first + count]
+                yield memoryview(part.view(torch.uint8).numpy()).cast("B")
+
+
+def block_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
+    """Bytes of one block over all layers."""
+    if not kv_caches:
+        return 0
+    layer = kv_caches[0]
+    return len(kv_caches) * 2 * layer[0, 0].numel() * layer.element_size()
+
+
+def node_id() -> str:
+    """This host's identity for "same machine?" (the kernel's boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

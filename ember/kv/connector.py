@@ -1,0 +1,266 @@
+"""The KV connector's two halves, as an engine core uses them.
+
+Scheduler half (`KVConnectorScheduler`, called by the scheduler only, on the engine
+thread): how many of a request's tokens come from outside (`external_tokens`), starting
+and finishing loads, and holding a finished prefill's blocks for a decode worker
+(`hold`) until the transfer is released or times out (`collect`). It decides; it never
+touches KV memory.
+
+Worker half (`KVConnectorWorker`): moves bytes. On a prefill worker it runs the KV
+endpoint (`server.KVTransferServer`) over the engine's KV tensors; on any worker it runs
+loads in background threads through a transport and reports which finished, so the
+engine keeps decoding other requests while a prompt's blocks arrive.
+
+A decode request's life: admitted with its local prefix-cache hit -> blocks allocated for
+the rest of the prompt (not yet findable by hash) -> WAITING_FOR_KV while a thread fetches
+only those blocks -> on success its prompt counts as computed and its blocks become
+findable; on failure (refused, timed out, corrupt) its blocks are freed and it waits
+again to recompute the prompt like any request. An abort during a load frees the blocks
+once the load thread is done with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.kv.buffers import block_bytes, chunks, node_id
+from ember.kv.params import RemotePrefill
+from ember.kv.server import HeldTransfers, KVTransferServer
+from ember.kv.transport import KVTransferError, ShmTransport, Transport, make_transport
+
+logger = logging.getLogger("ember.kv")
+
+
+@dataclass
+class KVStats:
+    """Counters since start, for /load and /metrics."""
+
+    loads_ok: int = 0
+    loads_failed: int = 0
+    bytes_received: int = 0
+    load_seconds: list[float] = field(default_factory=list)  # recent, for percentiles
+    held: int = 0  # transfers held for decode workers right now
+    holds_expired: int = 0
+
+
+@dataclass
+class _Load:
+    request: object  # the engine's Request
+    future: Future
+    started: float
+
+
+class KVConnectorWorker:
+    """Moves blocks: serves held ones (prefill) and fetches remote ones (any role)."""
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        role: str,
+        transport: str,
+        secret: bytes | None,
+        host: str,
+        port: int,
+        timeout: float,
+        checksum: bool,
+        fake_fault: str | None = None,
+        shm_path: str | None = None,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.block_bytes = block_bytes(kv_caches)
+        self.transport_name = transport
+        self.checksum = checksum
+        self.shm_path = shm_path
+        self.holds = HeldTransfers()
+        self.server: KVTransferServer | None = None
+        self._transports: dict[str, Transport] = {}
+        self._secret = secret or b""
+        self._timeout = timeout
+        self._fake_fault = fake_fault
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ember-kv-load")
+        if role == "prefill":
+            if not secret:
+                raise ValueError(
+                    "a prefill worker needs the cluster's KV secret: set EMBER_KV_SECRET "
+                    "(ember up sets it for its workers)"
+                )
+            self.server = KVTransferServer(kv_caches, self.holds, secret, host, port)
+        self.node = node_id()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def transport_for(self, remote: RemotePrefill) -> Transport:
+        name = self.transport_name
+        if name == "auto":
+            name = "shm" if ShmTransport.usable(remote) else "tcp"
+        transport = self._transports.get(name)
+        if transport is None:
+            transport = make_transport(name, self._secret, self._timeout, self._fake_fault)
+            self._transports[name] = transport
+        return transport
+
+    def start_load(self, remote: RemotePrefill, src_ids: list[int], dst_ids: list[int]) -> Future:
+        return self._pool.submit(self._load, remote, src_ids, dst_ids)
+
+    def release_remote(self, remote: RemotePrefill) -> None:
+        """Gives a remote transfer back without reading it (best effort, in the background)."""
+        self._pool.submit(self._release, remote)
+
+    def _load(self, remote: RemotePrefill, src_ids: list[int], dst_ids: list[int]) -> int:
+        if not src_ids:
+            self._release(remote)
+            return 0
+        transport = self.transport_for(remote)
+        num_bytes, crc = transport.fetch(remote, src_ids, self.kv_caches, dst_ids, self.checksum)
+        if crc is not None:
+            local = 0
+            for view in chunks(self.kv_caches, dst_ids):
+                local = zlib.crc32(view, local)
+            if local != crc:
+                raise KVTransferError("the received blocks do not match the sender's checksum")
+        return num_bytes
+
+    def _release(self, remote: RemotePrefill) -> None:
+        try:
+            self.transport_for(remote).release(remote)
+        except (OSError, KVTransferError) as exc:
+            logger.info("could not release transfer %s (%s); it expires", remote.transfer_id, exc)
+
+
+class KVConnectorScheduler:
+    """Decides what comes from outside and what is held for others (engine thread only)."""
+
+    def __init__(self, worker: KVConnectorWorker, block_size: int, hold_timeout: float) -> None:
+        self.worker = worker
+        self.block_size = block_size
+        self.hold_timeout = hold_timeout
+        self.stats = KVStats()
+        self._loads: dict[str, _Load] = {}
+        self._held_by_request: dict[str, str] = {}  # request id -> transfer id
+        self._held: dict[str, str] = {}  # transfer id -> request id
+
+    # -- decode side --------------------------------------------------------------------
+
+    @staticmethod
+    def remote(request) -> RemotePrefill | None:
+        params = request.kv_transfer
+        return None if params is None else params.remote_prefill
+
+    def external_tokens(self, request, num_local_hit: int) -> int:
+        """Prompt tokens that will be loaded from the prefill worker rather than computed."""
+        remote = self.remote(request)
+        if remote is None:
+            return 0
+        return max(remote.num_tokens - num_local_hit, 0)
+
+    def start_load(self, request, block_ids: list[int], num_local_hit: int) -> None:
+        """Fetches the prompt's blocks from `num_local_hit` on into this request's blocks."""
+        remote = self.remote(request)
+        first = num_local_hit // self.block_size
+        num_blocks = -(-remote.num_tokens // self.block_size)
+        src, dst = remote.block_ids[first:num_blocks], block_ids[first:num_blocks]
+        future = self.worker.start_load(remote, src, dst)
+        self._loads[request.request_id] = _Load(request, future, time.monotonic())
+
+    def release_unused(self, request) -> None:
+        """The prompt's KV was all here already: give the remote transfer back."""
+        remote = self.remote(request)
+        if remote is not None:
+            self.worker.release_remote(remote)
+            request.kv_transfer = None
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self._loads
+
+    def finished_loads(self) -> list[tuple[object, bool]]:
+        """Loads that ended since the last call: (request, succeeded)."""
+        done = []
+        for request_id, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            del self._loads[request_id]
+            seconds = time.monotonic() - load.started
+            try:
+                num_bytes = load.future.result()
+            except Exception as exc:  # noqa: BLE001 - any failure means: recompute
+                logger.warning("KV load for %s failed (%s); recomputing", request_id, exc)
+                self.stats.loads_failed += 1
+                done.append((load.request, False))
+                continue
+            self.stats.loads_ok += 1
+            self.stats.bytes_received += num_bytes
+            self.stats.load_seconds = (self.stats.load_seconds + [seconds])[-1000:]
+            done.append((load.request, True))
+        return done
+
+    # -- prefill side -------------------------------------------------------------------
+
+    def cached_tokens(self, request, num_local_hit: int) -> int:
+        """The prefix-cache hit to report: the prefill worker's, for a handed-over prompt."""
+        remote = self.remote(request)
+        return num_local_hit if remote is None else remote.num_cached_tokens
+
+    def hold(self, request, block_ids: list[int]) -> RemotePrefill | None:
+        """Holds a finished prefill's blocks for a decode worker, if it asked for that and
+        stopped only at its one-token limit; the params for the decode worker, or None."""
+        params = request.kv_transfer
+        server = self.worker.server
+        if params is None or not params.do_remote_decode or server is None:
+            return None
+        num_tokens = request.num_prompt_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        transfer_id = f"{request.request_id}:{secrets.token_hex(6)}"
+        self.worker.holds.add(transfer_id, block_ids[:num_blocks], self.hold_timeout)
+        self._held_by_request[request.request_id] = transfer_id
+        self._held[transfer_id] = request.request_id
+        return RemotePrefill(
+            host=server.host,
+            port=server.port,
+            transfer_id=transfer_id,
+            block_ids=list(block_ids[:num_blocks]),
+            num_tokens=num_tokens,
+            block_size=self.block_size,
+            block_bytes=self.worker.block_bytes,
+            first_token_ids=request.output_token_ids,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            node=self.worker.node,
+            shm_path=self.worker.shm_path,
+        )
+
+    def drop_hold(self, request_id: str) -> None:
+        """The frontend will not hand this prefill over (e.g. a stop string ended it)."""
+        transfer_id = self._held_by_request.get(request_id)
+        if transfer_id is not None:
+            self.worker.holds.release(transfer_id)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def collect(self) -> list[str]:
+        """Transfer ids whose held blocks may be freed now."""
+        freed = self.worker.holds.collect()
+        for transfer_id in freed:
+            request_id = self._held.pop(transfer_id)
+            if self._held_by_request.get(request_id) == transfer_id:
+                del self._held_by_request[request_id]
+        self.stats.held = len(self._held)
+        self.stats.holds_expired = self.worker.holds.num_expired
+        return freed
+

@@ -1,0 +1,92 @@
+"""The KV endpoint's wire protocol: length-prefixed msgpack frames, then raw block bytes.
+
+    server -> client   16-byte nonce
+    client -> server   HMAC-SHA256(secret, nonce)         (wrong: the server hangs up)
+    client -> server   Fetch(transfer_id, block_ids, send, checksum)
+    server -> client   FetchReply(ok, error, num_bytes)   then, when `send`, the bytes of
+                                                           the blocks (buffers.chunks order)
+                                                           and a Checksum frame if asked
+    client -> server   Release(transfer_id)               the blocks may be freed
+    server -> client   FetchReply(ok)
+
+The secret never crosses the wire; every connection proves it holds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+
+import msgspec
+
+NONCE_BYTES = 16
+_LEN = struct.Struct("!I")
+MAX_FRAME = 64 << 20
+
+
+class Fetch(msgspec.Struct, tag="fetch"):
+    transfer_id: str
+    block_ids: list[int]  # a subset of the transfer's blocks, in the order wanted
+    send: bool = True  # False: only lease them (the reader maps shared memory itself)
+    checksum: bool = False
+
+
+class Release(msgspec.Struct, tag="release"):
+    transfer_id: str
+
+
+class FetchReply(msgspec.Struct, tag="reply"):
+    ok: bool
+    error: str = ""
+    num_bytes: int = 0
+
+
+class Checksum(msgspec.Struct, tag="crc"):
+    crc32: int
+
+
+ClientMessage = Fetch | Release
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_reply_decoder = msgspec.msgpack.Decoder(FetchReply | Checksum)
+
+
+def proof(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, b"ember-kv:" + nonce, hashlib.sha256).digest()
+
+
+def send_frame(sock: socket.socket, message) -> None:
+    payload = _encoder.encode(message)
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("KV peer closed the connection")
+        got += n
+
+
+def _recv_payload(sock: socket.socket) -> bytes:
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if length > MAX_FRAME:
+        raise ConnectionError(f"KV frame of {length} bytes is too large")
+    return recv_exact(sock, length)
+
+
+def recv_client_message(sock: socket.socket) -> Fetch | Release:
+    return _client_decoder.decode(_recv_payload(sock))
+
+
+def recv_reply(sock: socket.socket) -> FetchReply | Checksum:
+    return _reply_decoder.decode(_recv_payload(sock))
