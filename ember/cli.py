@@ -71,8 +71,72 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """Disaggregation: the worker's role and how KV blocks move (the secret: $EMBER_KV_SECRET)."""
+    from ember.config import EngineConfig
+
+    d = EngineConfig()
+    group = parser.add_argument_group("disaggregation (KV connector)")
+    group.add_argument(
+        "--role",
+        default=d.kv_role,
+        choices=["mixed", "prefill", "decode"],
+        help="mixed (the default) runs whole requests; prefill hands the KV of finished "
+        "prompts to decode workers; decode continues them (any role serves whole requests)",
+    )
+    group.add_argument(
+        "--kv-transport",
+        default=d.kv_transport,
+        choices=["auto", "tcp", "shm", "mooncake", "fake"],
+        help="how this worker fetches KV: auto (shared memory when the prefill worker is on "
+        "this host, else TCP), tcp, shm, mooncake (optional install), fake (tests)",
+    )
+    group.add_argument(
+        "--kv-host", default=d.kv_host, help="a prefill worker's KV endpoint (default %(default)s)"
+    )
+    group.add_argument(
+        "--kv-port", type=int, default=d.kv_port, help="its port (default: any free one)"
+    )
+    group.add_argument(
+        "--kv-hold-timeout",
+        type=float,
+        default=d.kv_hold_timeout,
+        help="seconds a prefill worker keeps blocks no decode worker fetched (default %(default)s)",
+    )
+    group.add_argument(
+        "--kv-load-timeout",
+        type=float,
+        default=d.kv_load_timeout,
+        help="seconds a decode worker waits on a transfer before recomputing (default %(default)s)",
+    )
+    group.add_argument(
+        "--kv-checksum", action="store_true", help="check every transfer with CRC-32"
+    )
+    group.add_argument(
+        "--kv-fake-fault",
+        default=None,
+        help="the fake transport's fault: delay:SECONDS | drop | fail | corrupt (tests)",
+    )
+
+
+def kv_options(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "role"):
+        return {}
+    return dict(
+        kv_role=args.role,
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        kv_hold_timeout=args.kv_hold_timeout,
+        kv_load_timeout=args.kv_load_timeout,
+        kv_checksum=args.kv_checksum,
+        kv_fake_fault=args.kv_fake_fault,
+    )
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
+        **kv_options(args),
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
@@ -162,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the OpenAI API (default: smollm2-135m on 127.0.0.1:8000)",
     )
     add_engine_args(serve)
+    add_kv_args(serve)
     from ember.server.run import add_server_args
 
     add_server_args(serve)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember.kv.params import RemotePrefill
 
 
 @dataclass
@@ -37,6 +41,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds the request waited in the core before running
+    # a prefill for a decode worker: where its blocks wait (finished outputs only)
+    kv_transfer_params: RemotePrefill | None = None
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,7 @@ from ember.engine.core_client import EngineCoreClient, EngineDeadError
 from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineStats
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.processor import InputProcessor, ProcessedPrompt
+from ember.kv.params import KVTransferParams
 from ember.loader.checkpoint import open_checkpoint
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class AsyncLLM:
         from ember.loader.default_models import resolve_model
 
         config = EngineConfig(model=str(resolve_model(model)), **options)
+        self.role = config.kv_role
         self.client = EngineCoreClient(config)  # loads the model while we load the tokenizer
         try:
             checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
@@ -95,22 +97,30 @@ class AsyncLLM:
         cache_salt: str | None = None,
         session_id: str | None = None,
         grammar: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; raises ValueError for bad input before any."""
+        """Streams the request's outputs; raises ValueError for bad input before any.
+
+        `kv_transfer`: run as a prefill for a decode worker (`do_remote_decode`), or as a
+        decode whose prompt KV and first tokens come from a prefill worker (its first
+        output, carrying those tokens, comes at once)."""
         if self._error is not None:
             raise self._error
         request_id = request_id or f"req-{next(self._ids)}"
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_prompt(prompt)
         core_request = self.input_processor.process(
-            request_id, prompt, params, cache_salt, session_id, grammar
+            request_id, prompt, params, cache_salt, session_id, grammar, kv_transfer
         )
         sink = _Sink(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self.output_processor.add_request(request_id, prompt, params)
+            prefilled = kv_transfer.remote_prefill if kv_transfer is not None else None
+            first = self.output_processor.add_request(request_id, prompt, params, prefilled)
             self._sinks[request_id] = sink
+        if first is not None:
+            sink.put(first)
         finished = False
         try:
             self._num_sent += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.messages import EngineCoreOutput
 from ember.engine.processor import ProcessedPrompt
+from ember.kv.params import RemotePrefill
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class RequestState:
     seqs: list[SequenceState]
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    kv_transfer_params: RemotePrefill | None = None
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -94,6 +96,7 @@ class RequestState:
             outputs=[s.take_delta() for s in self.seqs],
             num_cached_tokens=self.num_cached_tokens,
             queue_time=self.queue_time,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -105,7 +108,15 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.core_ids: dict[str, tuple[RequestState, int]] = {}
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        prefilled: RemotePrefill | None = None,
+    ) -> RequestOutput | None:
+        """Starts tracking a request. A request handed over by a prefill worker already has
+        its first tokens: returns the output that carries them (to send at once)."""
         core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         seqs = [
             SequenceState(i, self.tokenizer, prompt.prompt_token_ids, params)
@@ -115,6 +126,20 @@ class OutputProcessor:
         self.requests[request_id] = state
         for i, core_id in enumerate(core_ids):
             self.core_ids[core_id] = (state, i)
+        if prefilled is None:
+            return None
+        logprobs = prefilled.first_logprobs
+        state.num_cached_tokens = prefilled.num_cached_tokens
+        state.seqs[0].add(
+            EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=list(prefilled.first_token_ids),
+                new_logprobs=None if logprobs is None else [dict(e) for e in logprobs],
+                finish_reason=None,
+                num_cached_tokens=prefilled.num_cached_tokens,
+            )
+        )
+        return state.to_output()
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the updated requests' outputs and the core ids stopped by a stop string."""
@@ -131,6 +156,8 @@ class OutputProcessor:
                     state.queue_time = core.queue_time
             if state.seqs[index].add(core):
                 to_abort.append(core.request_id)
+            elif core.kv_transfer_params is not None:  # handed over unless a stop string ended it
+                state.kv_transfer_params = core.kv_transfer_params
             if state.seqs[index].output.finished:
                 del self.core_ids[core.request_id]
             touched[state.request_id] = state

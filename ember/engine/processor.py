@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ember.config import ModelConfig
 from ember.engine.messages import EngineCoreRequest
+from ember.kv.params import KVTransferParams
 from ember.sampling_params import SamplingParams
 
 
@@ -54,17 +55,32 @@ class InputProcessor:
         cache_salt: str | None = None,
         session_id: str | None = None,
         grammar: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> EngineCoreRequest:
-        """The message for the core, after checking that prompt and max_tokens fit."""
+        """The message for the core, after checking that prompt and max_tokens fit.
+
+        A prefill for a decode worker (`kv_transfer.do_remote_decode`) runs to its first
+        token only; when that first token is all the request wants, it is an ordinary
+        request (nothing to hand over).
+        """
+        max_tokens = self.check(prompt, params)
+        if kv_transfer is not None and params.n != 1:
+            raise ValueError("kv_transfer_params: only requests with n = 1 can be disaggregated")
+        if kv_transfer is not None and kv_transfer.do_remote_decode:
+            if max_tokens > 1:
+                max_tokens = 1
+            else:
+                kv_transfer = None
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,
             params=params,
-            max_tokens=self.check(prompt, params),
+            max_tokens=max_tokens,
             eos_token_ids=sorted(self.eos_token_ids),
             cache_salt=cache_salt,
             session_id=session_id,
             grammar=grammar,
+            kv_transfer=kv_transfer,
         )
 
     def check(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:

@@ -263,4 +263,3 @@ class KVConnectorScheduler:
         self.stats.held = len(self._held)
         self.stats.holds_expired = self.worker.holds.num_expired
         return freed
-

@@ -164,4 +164,3 @@ class KVTransferServer:
                 wire.send_frame(conn, wire.FetchReply(ok=True))
         finally:
             self.holds.unlease(fetch.transfer_id)
-

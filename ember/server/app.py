@@ -21,7 +21,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.server.errors import APIError, error_body, install_error_handlers
 from ember.server.metrics import ServerMetrics
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
-from ember.server.serving import RequestContext
+from ember.server.serving import RequestContext, kv_transfer_of
 from ember.server.serving_chat import ChatServing
 from ember.server.serving_completion import CompletionServing
 
@@ -92,6 +92,17 @@ def build_app(
             "kv_blocks_total": stats.kv_blocks_total,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "num_prompt_tokens_computed": stats.num_prompt_tokens_computed,
+            "role": llm.role,
+            "kv_transfer": {
+                "waiting_for_kv": stats.num_waiting_for_kv,
+                "loads_ok": stats.kv_loads_ok,
+                "loads_failed": stats.kv_loads_failed,
+                "bytes_received": stats.kv_bytes_received,
+                "held": stats.kv_held,
+                "holds_expired": stats.kv_holds_expired,
+                "bytes_sent": stats.kv_bytes_sent,
+            },
             "healthy": not llm.dead,
         }
 
@@ -108,7 +119,7 @@ async def _serve(serving, body, request: Request):
     headers = {SESSION_HEADER: session_id} if session_id else {}
     if session_id:
         logger.info("%s session=%s", request.url.path, session_id)
-    ctx = RequestContext(session_id=session_id, cache_salt=body.cache_salt)
+    ctx = RequestContext(session_id, body.cache_salt, kv_transfer_of(body))
     result = await _until_disconnect(serving.create(body, ctx), request)
     if isinstance(result, dict):
         return JSONResponse(result, headers=headers)

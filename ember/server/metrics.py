@@ -52,6 +52,22 @@ class ServerMetrics:
         self.kv_usage = Gauge(
             "ember_kv_cache_usage_ratio", "Share of KV blocks in use.", labels, registry=r
         )
+        self.prompt_computed = Gauge(
+            "ember_prompt_tokens_computed", "Prompt tokens the model computed (not cached, "
+            "not received from a prefill worker), since start.", labels, registry=r,
+        )  # fmt: skip
+        self.kv_loads = Gauge(
+            "ember_kv_transfers", "KV transfers received from prefill workers, since start.",
+            ["model_name", "result"], registry=r,
+        )  # fmt: skip
+        self.kv_bytes = Gauge(
+            "ember_kv_transfer_bytes", "KV bytes moved, since start.",
+            ["model_name", "direction"], registry=r,
+        )  # fmt: skip
+        self.kv_held = Gauge(
+            "ember_kv_transfers_held", "Finished prefills whose blocks wait for a decode worker.",
+            labels, registry=r,
+        )  # fmt: skip
         self.model_name = model_name
 
     def timer(self) -> RequestTimer:
@@ -62,6 +78,12 @@ class ServerMetrics:
         self.running.labels(name).set(stats.num_running)
         self.waiting.labels(name).set(num_waiting)
         self.kv_usage.labels(name).set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+        self.prompt_computed.labels(name).set(stats.num_prompt_tokens_computed)
+        self.kv_loads.labels(name, "ok").set(stats.kv_loads_ok)
+        self.kv_loads.labels(name, "failed").set(stats.kv_loads_failed)
+        self.kv_bytes.labels(name, "received").set(stats.kv_bytes_received)
+        self.kv_bytes.labels(name, "sent").set(stats.kv_bytes_sent)
+        self.kv_held.labels(name).set(stats.kv_held)
         return generate_latest(self.registry)
 
 

@@ -89,6 +89,9 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    # disaggregation, set by `ember router`: {"do_remote_decode": true} to a prefill
+    # worker, the prefill's answer ({"remote_prefill": ...}) to a decode worker
+    kv_transfer_params: dict | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the parameter when a value is out of range."""

@@ -20,6 +20,7 @@ import msgspec
 
 from ember.engine.async_llm import AsyncLLM, EngineDeadError
 from ember.engine.processor import ProcessedPrompt
+from ember.kv.params import KVTransferParams, decode_params
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.errors import APIError, error_body
@@ -34,6 +35,30 @@ class RequestContext:
 
     session_id: str | None = None
     cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None
+
+
+def kv_transfer_of(body) -> KVTransferParams | None:
+    """The request's checked `kv_transfer_params` (a 400 naming it when malformed)."""
+    if body.kv_transfer_params is None:
+        return None
+    try:
+        return decode_params(body.kv_transfer_params)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "kv_transfer_params") from None
+
+
+def handed_over(output: RequestOutput) -> dict | None:
+    """The `kv_transfer_params` a prefill's response carries for the decode worker."""
+    remote = output.kv_transfer_params
+    if remote is None:
+        return None
+    logprobs = output.outputs[0].logprobs
+    if logprobs:
+        remote = msgspec.structs.replace(
+            remote, first_logprobs=[list(entry.items()) for entry in logprobs]
+        )
+    return {"remote_prefill": msgspec.to_builtins(remote)}
 
 
 class ServingBase:
@@ -102,6 +127,7 @@ class ServingBase:
                 cache_salt=ctx.cache_salt,
                 session_id=ctx.session_id,
                 grammar=grammar,
+                kv_transfer=ctx.kv_transfer,
             ):
                 timer.observe(output)
                 finished = output.finished

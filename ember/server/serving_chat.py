@@ -26,6 +26,7 @@ from ember.server.serving import (
     SSE_DONE,
     RequestContext,
     ServingBase,
+    handed_over,
     new_id,
     now,
     sse,
@@ -91,7 +92,7 @@ class ChatServing(ServingBase):
         if request.stream:
             return self._stream(request, request_id, params, plan, stream)
         (final,) = await self.collect([stream])
-        return {
+        response = {
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
@@ -99,6 +100,9 @@ class ChatServing(ServingBase):
             "choices": [self._choice(seq, plan, params.logprobs or 0) for seq in final.outputs],
             "usage": usage([final]),
         }
+        if (kv := handed_over(final)) is not None:
+            response["kv_transfer_params"] = kv
+        return response
 
     def _choice(self, seq: CompletionOutput, plan: ToolPlan, num_top: int) -> dict:
         text = _ChoiceText(plan)
@@ -139,9 +143,12 @@ class ChatServing(ServingBase):
         texts = [_ChoiceText(plan) for _ in range(n)]
         ended: set[int] = set()
 
-        def chunk(index, delta, finish=None, logprobs=None):
+        def chunk(index, delta, finish=None, logprobs=None, kv=None):
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return sse(self.chunk("chat.completion.chunk", request_id, created, [choice]))
+            body = self.chunk("chat.completion.chunk", request_id, created, [choice])
+            if kv is not None:
+                body["kv_transfer_params"] = kv
+            return sse(body)
 
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -163,7 +170,8 @@ class ChatServing(ServingBase):
                         yield chunk(seq.index, delta, logprobs=logprobs)
                     if seq.finished:
                         ended.add(seq.index)
-                        yield chunk(seq.index, {}, text.finish_reason(seq.finish_reason))
+                        reason = text.finish_reason(seq.finish_reason)
+                        yield chunk(seq.index, {}, reason, kv=handed_over(final))
         except (EngineDeadError, ValueError) as exc:
             yield sse_error(exc)
             yield SSE_DONE

@@ -12,6 +12,7 @@ from ember.server.serving import (
     SSE_DONE,
     RequestContext,
     ServingBase,
+    handed_over,
     merge,
     new_id,
     now,
@@ -32,6 +33,8 @@ class CompletionServing(ServingBase):
             prompts = request.prompts()
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
+        if ctx.kv_transfer is not None and len(prompts) != 1:
+            raise APIError(400, "kv_transfer_params needs exactly one prompt", "prompt")
         processed = [self.check_prompt(p, params) for p in prompts]
         self.check_capacity()
         request_id = new_id("cmpl")
@@ -49,7 +52,7 @@ class CompletionServing(ServingBase):
             for i, final in enumerate(finals)
             for seq in final.outputs
         ]
-        return {
+        response = {
             "id": request_id,
             "object": "text_completion",
             "created": now(),
@@ -57,6 +60,9 @@ class CompletionServing(ServingBase):
             "choices": choices,
             "usage": usage(finals),
         }
+        if (kv := handed_over(finals[0])) is not None:
+            response["kv_transfer_params"] = kv
+        return response
 
     def _choice(self, index, seq: CompletionOutput, text, logprobs, finish_reason, num_top):
         return {
@@ -95,7 +101,10 @@ class CompletionServing(ServingBase):
                     choice = self._choice(
                         index, seq, seq.delta_text, seq.delta_logprobs, seq.finish_reason, num_top
                     )
-                    yield sse(self.chunk("text_completion", request_id, created, [choice]))
+                    body = self.chunk("text_completion", request_id, created, [choice])
+                    if seq.finished and (kv := handed_over(output)) is not None:
+                        body["kv_transfer_params"] = kv
+                    yield sse(body)
                 if output.finished:
                     finals[prompt_index] = output
         except (EngineDeadError, ValueError) as exc:
