@@ -71,19 +71,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_kv_args(parser: argparse.ArgumentParser) -> None:
+def add_kv_args(parser: argparse.ArgumentParser, role: bool = True) -> None:
     """Disaggregation: the worker's role and how KV blocks move (the secret: $EMBER_KV_SECRET)."""
     from ember.config import EngineConfig
 
     d = EngineConfig()
     group = parser.add_argument_group("disaggregation (KV connector)")
-    group.add_argument(
-        "--role",
-        default=d.kv_role,
-        choices=["mixed", "prefill", "decode"],
-        help="mixed (the default) runs whole requests; prefill hands the KV of finished "
-        "prompts to decode workers; decode continues them (any role serves whole requests)",
-    )
+    if role:
+        group.add_argument(
+            "--role",
+            default=d.kv_role,
+            choices=["mixed", "prefill", "decode"],
+            help="mixed (the default) runs whole requests; prefill hands the KV of finished "
+            "prompts to decode workers; decode continues them (any role serves whole requests)",
+        )
     group.add_argument(
         "--kv-transport",
         default=d.kv_transport,
@@ -120,10 +121,10 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
 
 
 def kv_options(args: argparse.Namespace) -> dict:
-    if not hasattr(args, "role"):
+    if not hasattr(args, "kv_transport"):
         return {}
     return dict(
-        kv_role=args.role,
+        kv_role=getattr(args, "role", "mixed"),
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
         kv_port=args.kv_port,
@@ -242,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="a router and its workers on this machine, in one command")
     add_engine_args(up)
+    add_kv_args(up, role=False)
     from ember.router.up import add_up_args, run_up
 
     add_up_args(up)

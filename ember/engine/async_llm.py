@@ -51,6 +51,7 @@ class AsyncLLM:
 
         config = EngineConfig(model=str(resolve_model(model)), **options)
         self.role = config.kv_role
+        self.block_size = config.block_size
         self.client = EngineCoreClient(config)  # loads the model while we load the tokenizer
         try:
             checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read

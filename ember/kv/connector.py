@@ -123,7 +123,13 @@ class KVConnectorWorker:
             self._release(remote)
             return 0
         transport = self.transport_for(remote)
-        num_bytes, crc = transport.fetch(remote, src_ids, self.kv_caches, dst_ids, self.checksum)
+        try:
+            num_bytes, crc = transport.fetch(
+                remote, src_ids, self.kv_caches, dst_ids, self.checksum
+            )
+        except BaseException:
+            self._release(remote)  # best effort: the prefill worker need not wait it out
+            raise
         if crc is not None:
             local = 0
             for view in chunks(self.kv_caches, dst_ids):

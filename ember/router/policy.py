@@ -7,6 +7,9 @@ own count of tokens in flight on each worker (uncached prompt tokens + max outpu
 released when the response ends, or the worker's own queued prefill tokens from its
 last /load report when those are more (work that reached it some other way).
 
+A decode worker's load is different: the KV it holds (prompt + output tokens of its
+running sequences), from the router's count or its reported KV usage, whichever is more.
+
 Decision order (`Router.choose`):
     1. affinity   x-session-affinity -> the session's home on a consistent-hash ring;
        spill      ... or the next worker round the ring when the home is over the bound
@@ -34,6 +37,7 @@ VIRTUAL_NODES = 64
 @dataclass(eq=False)
 class Worker:
     url: str
+    kind: str = "mixed"  # mixed | prefill | decode
     healthy: bool = True
     tokens_in_flight: int = 0
     requests_in_flight: int = 0
@@ -42,9 +46,15 @@ class Worker:
 
     @property
     def load(self) -> int:
-        """Tokens of work ahead of a new request: the router's own count, or the worker's
-        queued prefill tokens when it reports more (work sent by other routers/clients)."""
-        return max(self.tokens_in_flight, int(self.reported.get("num_queued_prefill_tokens", 0)))
+        """Tokens of work ahead of a new request: the router's own count, or what the worker
+        reports when that is more (work sent by other routers or clients): queued prefill
+        tokens, or on a decode worker the tokens its KV cache holds."""
+        report = self.reported
+        if self.kind == "decode":
+            reported = int(report.get("kv_blocks_used", 0)) * int(report.get("block_size", 0))
+        else:
+            reported = int(report.get("num_queued_prefill_tokens", 0))
+        return max(self.tokens_in_flight, reported)
 
     def matched_chunks(self, hashes: list[bytes]) -> int:
         count = 0
@@ -122,12 +132,14 @@ class Router:
     """`policy` "full" is the decision order above; "least-load" skips affinity and
     prefix; "round-robin" ignores everything (both for comparisons)."""
 
-    def __init__(self, urls: list[str], load_factor: float = 1.25, policy: str = "full") -> None:
-        if not urls:
+    def __init__(
+        self, workers: list[str | Worker], load_factor: float = 1.25, policy: str = "full"
+    ) -> None:
+        if not workers:
             raise ValueError("the router needs at least one worker")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        self.workers = [Worker(url.rstrip("/")) for url in urls]
+        self.workers = [w if isinstance(w, Worker) else Worker(w.rstrip("/")) for w in workers]
         self.load_factor = load_factor
         self.policy = policy
         self._next = 0
@@ -185,6 +197,48 @@ class Router:
         worker = decision.worker
         worker.tokens_in_flight = max(worker.tokens_in_flight - decision.cost, 0)
         worker.requests_in_flight = max(worker.requests_in_flight - 1, 0)
+
+
+class Pools:
+    """The router's workers by role. Disaggregated requests need a prefill and a decode
+    pool; whole requests go to the mixed pool, or (none healthy there) to any worker."""
+
+    def __init__(
+        self,
+        mixed: Router | None = None,
+        prefill: Router | None = None,
+        decode: Router | None = None,
+    ) -> None:
+        if (prefill is None) != (decode is None):
+            raise ValueError("disaggregation needs both --prefill and --decode workers")
+        self.mixed, self.prefill, self.decode = mixed, prefill, decode
+        self.workers = [w for r in (mixed, prefill, decode) if r is not None for w in r.workers]
+        if not self.workers:
+            raise ValueError("the router needs at least one worker")
+        policy = next(r for r in (mixed, prefill, decode) if r is not None)
+        others = [w for r in (decode, prefill) if r is not None for w in r.workers]
+        self._any = Router(others, policy.load_factor, policy.policy) if others else None
+
+    @classmethod
+    def from_urls(cls, mixed=(), prefill=(), decode=(), load_factor=1.25, policy="full") -> Pools:
+        def pool(urls, kind):
+            if not urls:
+                return None
+            return Router([Worker(u.rstrip("/"), kind) for u in urls], load_factor, policy)
+
+        return cls(pool(mixed, "mixed"), pool(prefill, "prefill"), pool(decode, "decode"))
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers if w.healthy]
+
+    def for_whole_requests(self) -> Router:
+        if self.mixed is not None and (self.mixed.healthy() or self._any is None):
+            return self.mixed
+        return self._any
 
 
 def _hash(key: str) -> int:

@@ -14,9 +14,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed", action="append", default=[], metavar="URL",
                         help="a mixed (prefill + decode) worker; repeat for more")  # fmt: skip
     parser.add_argument("--prefill", action="append", default=[], metavar="URL",
-                        help="a prefill worker (disaggregation: not available yet)")  # fmt: skip
+                        help="a prefill worker (with --decode: disaggregation)")  # fmt: skip
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
-                        help="a decode worker (disaggregation: not available yet)")  # fmt: skip
+                        help="a decode worker (with --prefill: disaggregation)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--health-interval", type=float, default=1.0,
@@ -31,18 +31,17 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     from ember.router.app import build_router_app
-    from ember.router.policy import Router
+    from ember.router.policy import Pools
 
-    if args.prefill or args.decode:
-        raise ValueError(
-            "--prefill/--decode: prefill/decode disaggregation is not implemented yet; "
-            "use --mixed workers"
-        )
-    if not args.mixed:
-        raise ValueError("--mixed: give at least one worker URL")
+    if bool(args.prefill) != bool(args.decode):
+        raise ValueError("--prefill and --decode: disaggregation needs workers of both kinds")
+    if not (args.mixed or args.prefill):
+        raise ValueError("give at least one worker URL (--mixed, or --prefill and --decode)")
     if args.load_factor < 1:
         raise ValueError("--load-factor must be >= 1")
-    app = build_router_app(Router(args.mixed, args.load_factor, args.policy), args.health_interval)
-    logger.info("routing http://%s:%d -> %s", args.host, args.port, ", ".join(args.mixed))
+    pools = Pools.from_urls(args.mixed, args.prefill, args.decode, args.load_factor, args.policy)
+    app = build_router_app(pools, args.health_interval)
+    logger.info("routing http://%s:%d -> mixed %s, prefill %s, decode %s", args.host, args.port,
+                args.mixed, args.prefill, args.decode)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
     return 0

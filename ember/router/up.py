@@ -1,9 +1,9 @@
 """`ember up`: a router and its workers on one machine, from one command.
 
-Life cycle: start K mixed workers (`ember serve` on ports --worker-port, +1, ...; with
---pin each on its own share of the CPU cores); once all answer /health, start `ember
-router` on --port in front of them and wait until it counts all K healthy; print the
-URL; then wait. Ctrl-C or SIGTERM
+Life cycle: start the workers (`ember serve` on ports --worker-port, +1, ...: K mixed,
+or N prefill + M decode sharing a fresh KV secret; with --pin each on its own share of
+the CPU cores); once all answer /health, start `ember router` on --port in front of
+them and wait until it counts them all healthy; print the URL; then wait. Ctrl-C or SIGTERM
 (or the router exiting) stops them all: SIGTERM to each, SIGKILL to any still running
 after a grace period. A worker that dies is reported; the router routes around it.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,9 +29,10 @@ STOP_GRACE_S = 30.0
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mixed", type=int, default=1, help="mixed workers (default 1)")
-    parser.add_argument("--prefill", type=int, default=0, help="prefill workers (not yet)")
-    parser.add_argument("--decode", type=int, default=0, help="decode workers (not yet)")
+    parser.add_argument("--mixed", type=int, default=None,
+                        help="mixed workers (default 1 without --prefill/--decode, else 0)")  # fmt: skip
+    parser.add_argument("--prefill", type=int, default=0, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=0, help="decode workers")
     parser.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     parser.add_argument("--worker-port", type=int, default=8100,
                         help="first worker's port; the others follow (default 8100)")  # fmt: skip
@@ -44,6 +46,10 @@ def worker_flags(options: dict) -> list[str]:
     for name, value in options.items():
         if name == "enable_prefix_caching":
             flags += [] if value else ["--no-prefix-caching"]
+        elif name == "kv_role":
+            continue  # each worker's own
+        elif isinstance(value, bool):
+            flags += [f"--{name.replace('_', '-')}"] if value else []
         elif value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
@@ -58,24 +64,37 @@ def core_sets(num_workers: int) -> list[set[int]]:
     return [set(cores[i * size : (i + 1) * size]) for i in range(num_workers)]
 
 
+def worker_roles(args: argparse.Namespace) -> list[str]:
+    if min(args.prefill, args.decode, args.mixed or 0) < 0:
+        raise ValueError("--mixed, --prefill and --decode must be >= 0")
+    if bool(args.prefill) != bool(args.decode):
+        raise ValueError("--prefill and --decode: disaggregation needs workers of both kinds")
+    mixed = args.mixed if args.mixed is not None else (0 if args.prefill else 1)
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * mixed
+    if not roles:
+        raise ValueError("no workers: give --mixed K, or --prefill N --decode M")
+    return roles
+
+
 def run_up(args: argparse.Namespace, engine_options: dict) -> int:
-    if args.prefill or args.decode:
-        raise ValueError("--prefill/--decode: disaggregated workers are not implemented yet")
-    if args.mixed < 1:
-        raise ValueError("--mixed must be >= 1")
-    pins = core_sets(args.mixed) if args.pin else [None] * args.mixed
+    roles = worker_roles(args)
+    pins = core_sets(len(roles)) if args.pin else [None] * len(roles)
     cluster = Cluster()
     signal.signal(signal.SIGTERM, lambda *_: cluster.stopping.set())
+    # the workers' KV endpoints admit only peers with this secret (inherited, never argv)
+    os.environ.setdefault("EMBER_KV_SECRET", secrets.token_hex(16))
     try:
         model = [args.model] if args.model else []
-        urls = []
-        for i, cores in enumerate(pins):
+        urls, router_args = [], []
+        for i, (role, cores) in enumerate(zip(roles, pins, strict=True)):
             port = args.worker_port + i
-            urls.append(f"http://127.0.0.1:{port}")
-            command = ["serve", *model, "--port", str(port), *worker_flags(engine_options)]
-            cluster.start(f"worker {i}", command, cores)
+            url = f"http://127.0.0.1:{port}"
+            urls.append(url)
+            router_args += [f"--{role}", url]
+            command = ["serve", *model, "--port", str(port), "--role", role,
+                       *worker_flags(engine_options)]  # fmt: skip
+            cluster.start(f"{role} worker {i}", command, cores)
         cluster.wait_healthy(urls)
-        router_args = [a for url in urls for a in ("--mixed", url)]
         cluster.start("router", ["router", "--port", str(args.port), *router_args])
         cluster.wait_healthy([f"http://127.0.0.1:{args.port}"], num_workers=len(urls))
         print(f"ember cluster ready: http://127.0.0.1:{args.port}/v1 "

@@ -90,6 +90,7 @@ def build_app(
             "num_queued_prefill_tokens": stats.num_queued_prefill_tokens,
             "kv_blocks_used": stats.kv_blocks_used,
             "kv_blocks_total": stats.kv_blocks_total,
+            "block_size": llm.block_size,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_prompt_tokens_computed": stats.num_prompt_tokens_computed,
