@@ -1,0 +1,247 @@
+"""Prefill/decode disaggregation end to end: `ember up --prefill N --decode M` on a tiny
+checkpoint, against one mixed worker serving the same requests as the reference."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_utils import EmberServer, child_pids
+
+from ember.bench.startup import free_port
+
+WORKER_ARGS = ["--kv-cache-memory", "16M", "--max-model-len", "512", "--block-size", "8"]
+LONG = "The quick brown fox jumps over the lazy dog while the cat watches. " * 6
+
+
+class Up:
+    """`ember up MODEL ARGS...`; `stop()` sends SIGTERM and expects a clean exit."""
+
+    def __init__(self, model: str, *args: str) -> None:
+        self.port, worker_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "up", model, "--port", str(self.port),
+             "--worker-port", str(worker_port), *WORKER_ARGS, *args],
+            stdout=subprocess.PIPE, text=True, env=dict(os.environ, EMBER_LOG_LEVEL="WARNING"),
+        )  # fmt: skip
+        line = self.process.stdout.readline()
+        assert f"{self.url}/v1" in line, f"ember up did not come up: {line!r}"
+        self.workers = {w["url"]: w["pool"] for w in self.load()["workers"]}
+
+    def load(self) -> dict:
+        return httpx.get(f"{self.url}/load", timeout=5).json()
+
+    def urls(self, pool: str) -> list[str]:
+        return [url for url, kind in self.workers.items() if kind == pool]
+
+    def worker_load(self, url: str) -> dict:
+        return httpx.get(f"{url}/load", timeout=5).json()
+
+    def wait_no_blocks(self, timeout: float = 20.0) -> None:
+        """Until every live worker has no KV block in use (held transfers released)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            loads = [self.worker_load(url) for url in self.workers]
+            if all(x["kv_blocks_used"] == 0 for x in loads) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert [x["kv_blocks_used"] for x in loads] == [0] * len(loads), "blocks leaked"
+        assert all(x["kv_transfer"]["held"] == 0 for x in loads)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(60) == 0
+        assert not child_pids(self.process.pid)
+
+
+def post(url: str, path: str, body: dict, session: str | None = None) -> httpx.Response:
+    headers = {"x-session-affinity": session} if session else {}
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=120)
+
+
+def stream(url: str, path: str, body: dict) -> tuple[str, dict, list[str]]:
+    """(text, usage, finish reasons) of a streamed response."""
+    import json
+
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    text, usage, reasons = "", None, []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "kv_transfer_params" not in chunk  # internal to the cluster
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if choice.get("finish_reason"):
+                    reasons.append(choice["finish_reason"])
+    return text, usage, reasons
+
+
+def requests_made_of(prompt: str) -> list[tuple[str, dict]]:
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    completion = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+    return [("/v1/chat/completions", chat), ("/v1/completions", completion)]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    reference = EmberServer(model, *WORKER_ARGS)
+    cluster = Up(model, "--prefill", "1", "--decode", "1")
+    yield cluster, reference
+    reference.stop()
+    cluster.stop()
+
+
+def test_disaggregated_output_and_usage_match_one_mixed_worker(pd):
+    cluster, reference = pd
+    for prompt in (LONG, LONG + "Again.", "Short one."):  # later ones hit the prefix cache
+        for path, body in requests_made_of(prompt):
+            want = post(reference.url, path, body).json()
+            response = post(cluster.url, path, body)
+            assert response.status_code == 200
+            got = response.json()
+            assert "kv_transfer_params" not in got
+            assert got["choices"] == want["choices"]  # text, logprobs, finish reason
+            assert got["usage"] == want["usage"]  # cached_tokens: the prefill worker's hit
+            assert response.headers["x-ember-prefill-worker"] == cluster.urls("prefill")[0]
+            assert response.headers["x-ember-worker"] == cluster.urls("decode")[0]
+            assert stream(cluster.url, path, body)[:2] == stream(reference.url, path, body)[:2]
+    assert post(cluster.url, "/v1/completions", {"prompt": LONG})  # warm the cache once more
+    decode_load = cluster.worker_load(cluster.urls("decode")[0])
+    assert decode_load["num_prompt_tokens_computed"] == 0  # every prompt came by transfer
+    assert decode_load["kv_transfer"]["loads_ok"] >= 12
+    assert decode_load["kv_transfer"]["loads_failed"] == 0
+    cluster.wait_no_blocks()
+
+
+def test_a_request_that_ends_on_the_prefill_worker_is_answered_from_there(pd):
+    cluster, reference = pd
+    body = {"prompt": "One token only.", "max_tokens": 1, "temperature": 0}
+    for response in (post(cluster.url, "/v1/completions", body),
+                     post(cluster.url, "/v1/completions", dict(body, stream=True))):  # fmt: skip
+        assert response.status_code == 200
+        assert response.headers["x-ember-worker"] == cluster.urls("prefill")[0]
+        assert "kv_transfer_params" not in response.text
+    want = post(reference.url, "/v1/completions", body).json()
+    assert post(cluster.url, "/v1/completions", body).json()["choices"] == want["choices"]
+    cluster.wait_no_blocks()
+
+
+def test_bad_requests_get_the_workers_errors(pd):
+    cluster, _ = pd
+    response = post(cluster.url, "/v1/completions", {"prompt": "x", "max_tokens": -1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    response = post(cluster.url, "/v1/completions", {"prompt": "x", "kv_transfer_params": 3})
+    assert response.status_code == 400
+    response = post(cluster.url, "/v1/completions", {"prompt": "x", "n": 2, "max_tokens": 3})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 2  # runs whole
+
+
+def test_killing_the_decode_worker_moves_new_requests_to_the_prefill_worker(pd):
+    cluster, _ = pd
+    (decode_url,) = cluster.urls("decode")
+    serve_pid = _pid_serving(decode_url)
+    body = {"prompt": LONG, "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(post, cluster.url, "/v1/completions", body) for _ in range(4)]
+        for pid in [*child_pids(serve_pid), serve_pid]:
+            os.kill(pid, signal.SIGKILL)
+        after = [pool.submit(post, cluster.url, "/v1/completions", body) for _ in range(6)]
+        statuses = [f.result().status_code for f in after]
+        for f in running:
+            f.result()  # these may have failed with the worker; they must not hang
+    assert statuses == [200] * 6
+    del cluster.workers[decode_url]
+    cluster.wait_no_blocks()
+
+
+def answer(response: dict) -> list:
+    choice = response["choices"][0]
+    text = choice.get("text") or choice.get("message", {}).get("content")
+    chosen = [e["token"] for e in (choice.get("logprobs") or {}).get("content") or []]
+    return [text, chosen, choice["finish_reason"]]
+
+
+def logprobs(response: dict) -> list[float]:
+    entries = (response["choices"][0].get("logprobs") or {}).get("content") or []
+    return [e["logprob"] for e in entries]
+
+
+def _pid_serving(url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+            return int(entry.name)
+    raise AssertionError(f"no process serves {url}")
+
+
+def test_sessions_stay_on_their_home_prefill_worker_and_others_spread(tiny_checkpoint):
+    cluster = Up(str(tiny_checkpoint("llama")), "--prefill", "2", "--decode", "1")
+    try:
+        homes = {}
+        for session in ("alpha", "beta", "gamma", "delta"):
+            seen = set()
+            for turn in range(3):
+                body = {"prompt": f"{session} {LONG} turn {turn}", "max_tokens": 4}
+                response = post(cluster.url, "/v1/completions", body, session)
+                assert response.status_code == 200
+                seen.add(response.headers["x-ember-prefill-worker"])
+            assert len(seen) == 1
+            homes[session] = seen.pop()
+        assert len(set(homes.values())) == 2  # four sessions hash onto both workers
+
+        def anonymous(i):
+            body = {"prompt": f"{i} " + LONG * 2, "max_tokens": 4}
+            return post(cluster.url, "/v1/completions", body).headers["x-ember-prefill-worker"]
+
+        with ThreadPoolExecutor(6) as pool:
+            placed = list(pool.map(anonymous, range(12)))
+        assert set(placed) == set(cluster.urls("prefill"))  # spread by load
+        decisions = cluster.load()["decisions"]
+        assert decisions["prefill:affinity"] == 12 and decisions["prefill:least-load"] >= 12
+        cluster.wait_no_blocks()
+    finally:
+        cluster.stop()
+
+
+def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    cluster = Up(model, "--prefill", "1", "--decode", "1",
+                 "--kv-transport", "fake", "--kv-fake-fault", "fail")  # fmt: skip
+    reference = EmberServer(model, *WORKER_ARGS)
+    try:
+        for path, body in requests_made_of(LONG):
+            want = post(reference.url, path, body).json()
+            got = post(cluster.url, path, body).json()
+            assert got["usage"] == want["usage"]
+            # recomputed as one prefill: the same tokens, logprobs equal up to rounding
+            assert answer(got) == answer(want)
+            assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
+        decode_load = cluster.worker_load(cluster.urls("decode")[0])
+        assert decode_load["kv_transfer"]["loads_failed"] == 2
+        assert decode_load["num_prompt_tokens_computed"] > 0  # recomputed there
+        cluster.wait_no_blocks(timeout=5)  # released at once, not after the hold timeout
+        prefill_load = cluster.worker_load(cluster.urls("prefill")[0])
+        assert prefill_load["kv_transfer"]["holds_expired"] == 0
+    finally:
+        reference.stop()
+        cluster.stop()

@@ -1,0 +1,225 @@
+"""The KV connector in one process: a prefill engine core hands a prompt's KV to a decode
+engine core over each transport, and every way a transfer can go wrong ends with the
+request recomputed and no block left allocated on either side."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.engine.messages import EngineCoreRequest
+from ember.kv import wire
+from ember.kv.params import KVTransferParams
+from ember.sampling_params import SamplingParams
+
+PROMPT = list(range(5, 40))  # 35 tokens: 8 full blocks of 4 and a partial one
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch):
+    monkeypatch.setenv("EMBER_KV_SECRET", "test-secret")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+def make_core(checkpoint, **options) -> EngineCore:
+    config = EngineConfig(model=checkpoint, kv_cache_memory=4 << 20, block_size=4, **options)
+    return EngineCore.from_config(config)
+
+
+def run(core: EngineCore, request: EngineCoreRequest, timeout: float = 30.0):
+    core.add_request(request)
+    outputs, deadline = [], time.monotonic() + timeout
+    while core.has_unfinished():
+        assert time.monotonic() < deadline, "the engine did not finish"
+        outputs += core.step()
+        time.sleep(0.001)
+    return outputs
+
+
+def tokens(outputs) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def prefill(core: EngineCore, request_id: str, prompt=PROMPT):
+    params = KVTransferParams(do_remote_decode=True)
+    outputs = run(core, EngineCoreRequest(request_id, prompt, GREEDY, 1, [], kv_transfer=params))
+    assert outputs[-1].finish_reason == "length"
+    remote = outputs[-1].kv_transfer_params
+    assert remote is not None and remote.num_tokens == len(prompt)
+    return remote
+
+
+def decode(core: EngineCore, request_id: str, remote, prompt=PROMPT):
+    params = KVTransferParams(remote_prefill=remote)
+    request = EngineCoreRequest(request_id, prompt, GREEDY, MAX_TOKENS, [], kv_transfer=params)
+    return remote.first_token_ids + tokens(run(core, request))
+
+
+def settle(*cores: EngineCore, timeout: float = 10.0) -> None:
+    """Steps the cores until no block is in use (held transfers released or expired)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for core in cores:
+            core.step()
+        if all(c.kv_cache.num_free_blocks == c.kv_cache.num_blocks for c in cores):
+            break
+        time.sleep(0.02)
+    for core in cores:
+        assert core.kv_cache.check_integrity()
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks, "blocks leaked"
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    core = make_core(checkpoint)
+    yield tokens(run(core, EngineCoreRequest("ref", PROMPT, GREEDY, MAX_TOKENS, [])))
+    core.close()
+
+
+@pytest.fixture
+def prefill_core(checkpoint):
+    core = make_core(checkpoint, kv_role="prefill", kv_hold_timeout=1.0)
+    yield core
+    core.close()
+
+
+def _decode_core(checkpoint, request, **options):
+    core = make_core(checkpoint, kv_role="decode", **options)
+    request.addfinalizer(core.close)
+    return core
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "auto"])
+def test_handed_over_decode_matches_a_mixed_worker(
+    transport, checkpoint, prefill_core, reference, request
+):
+    decode_core = _decode_core(checkpoint, request, kv_transport=transport)
+    remote = prefill(prefill_core, "p")
+    assert prefill_core.connector.num_held == 1
+    assert decode(decode_core, "d", remote) == reference
+    stats = decode_core.stats()
+    assert stats.num_prompt_tokens_computed == 0  # the prompt came from the prefill worker
+    assert (stats.kv_loads_ok, stats.kv_loads_failed) == (1, 0)
+    assert stats.kv_bytes_received == len(remote.block_ids) * remote.block_bytes
+    if transport == "tcp":
+        assert prefill_core.stats().kv_bytes_sent == stats.kv_bytes_received
+    settle(prefill_core, decode_core)
+    assert prefill_core.stats().kv_holds_expired == 0  # released by the decode worker
+
+
+def test_only_blocks_the_decode_worker_lacks_are_sent(
+    checkpoint, prefill_core, reference, request
+):
+    decode_core = _decode_core(checkpoint, request, kv_transport="tcp")
+    # the decode worker already computed the first 20 tokens (5 full blocks) itself
+    run(decode_core, EngineCoreRequest("warm", PROMPT[:21], GREEDY, 1, []))
+    remote = prefill(prefill_core, "p")
+    assert decode(decode_core, "d", remote) == reference
+    received = decode_core.stats().kv_bytes_received
+    assert received == (len(remote.block_ids) - 5) * remote.block_bytes
+    assert prefill_core.stats().kv_bytes_sent == received
+    settle(prefill_core, decode_core)
+
+
+@pytest.mark.parametrize("fault", ["fail", "drop", "corrupt"])
+def test_a_failed_transfer_is_recomputed_and_frees_every_block(
+    fault, checkpoint, prefill_core, reference, request
+):
+    decode_core = _decode_core(
+        checkpoint, request, kv_transport="fake", kv_fake_fault=fault,
+        kv_load_timeout=0.5, kv_checksum=True,
+    )  # fmt: skip
+    remote = prefill(prefill_core, "p")
+    assert decode(decode_core, "d", remote) == reference  # recomputed, same tokens
+    stats = decode_core.stats()
+    assert (stats.kv_loads_ok, stats.kv_loads_failed) == (0, 1)
+    assert stats.num_prompt_tokens_computed == len(PROMPT)
+    settle(prefill_core, decode_core)
+
+
+def test_a_peer_without_the_secret_is_refused(
+    checkpoint, prefill_core, reference, request, monkeypatch
+):
+    monkeypatch.setenv("EMBER_KV_SECRET", "wrong")
+    decode_core = _decode_core(checkpoint, request, kv_transport="tcp", kv_load_timeout=1.0)
+    remote = prefill(prefill_core, "p")
+    assert decode(decode_core, "d", remote) == reference
+    assert decode_core.stats().kv_loads_failed == 1
+    assert prefill_core.stats().kv_bytes_sent == 0
+    # the refused peer could not release the blocks either: they expire
+    settle(prefill_core, decode_core)
+    assert prefill_core.stats().kv_holds_expired == 1
+
+
+def test_the_endpoint_serves_only_held_blocks(prefill_core):
+    remote = prefill(prefill_core, "p")
+    server = prefill_core.connector.worker.server
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:
+        nonce = wire.recv_exact(sock, wire.NONCE_BYTES)
+        sock.sendall(wire.proof(b"test-secret", nonce))
+        unheld = max(remote.block_ids) + 1
+        wire.send_frame(sock, wire.Fetch(remote.transfer_id, [unheld]))
+        reply = wire.recv_reply(sock)
+        assert not reply.ok and "does not hold" in reply.error
+        wire.send_frame(sock, wire.Fetch("no-such-transfer", remote.block_ids[:1]))
+        assert not wire.recv_reply(sock).ok
+        wire.send_frame(sock, wire.Release(remote.transfer_id))
+        assert wire.recv_reply(sock).ok
+    settle(prefill_core)
+
+
+def test_an_unclaimed_prefill_frees_its_blocks_after_the_hold_timeout(prefill_core):
+    prefill(prefill_core, "p")
+    assert prefill_core.kv_cache.num_free_blocks < prefill_core.kv_cache.num_blocks
+    settle(prefill_core)  # kv_hold_timeout is 1 s
+    assert prefill_core.stats().kv_holds_expired == 1
+
+
+def test_aborting_a_request_while_its_kv_arrives_frees_its_blocks_after(
+    checkpoint, prefill_core, request
+):
+    decode_core = _decode_core(
+        checkpoint, request, kv_transport="fake", kv_fake_fault="delay:0.5"
+    )
+    remote = prefill(prefill_core, "p")
+    params = KVTransferParams(remote_prefill=remote)
+    decode_core.add_request(
+        EngineCoreRequest("d", PROMPT, GREEDY, MAX_TOKENS, [], kv_transfer=params)
+    )
+    decode_core.step()
+    assert decode_core.stats().num_waiting_for_kv == 1
+    decode_core.abort_requests(["d"])
+    assert "d" not in decode_core.scheduler.requests
+    assert decode_core.kv_cache.num_free_blocks < decode_core.kv_cache.num_blocks  # still busy
+    settle(prefill_core, decode_core)
+
+
+def test_bad_kv_transfer_params_are_refused(checkpoint, prefill_core, request):
+    decode_core = _decode_core(checkpoint, request)
+    remote = prefill(prefill_core, "p")
+    with pytest.raises(ValueError, match="prompt"):
+        decode(decode_core, "d", remote, prompt=PROMPT[:-1])
+    two = SamplingParams(temperature=0.0, max_tokens=4, n=2)
+    params = KVTransferParams(remote_prefill=remote)
+    with pytest.raises(ValueError, match="n = 1"):
+        decode_core.add_request(EngineCoreRequest("x", PROMPT, two, 4, [], kv_transfer=params))
+    assert not decode_core.has_unfinished()
+    prefill_core.abort_requests(["p"])  # the frontend gives the held prefill up
+    settle(prefill_core, decode_core)
+    assert prefill_core.stats().kv_holds_expired == 0
+
+
+def test_a_prefill_worker_needs_the_secret(checkpoint, monkeypatch):
+    monkeypatch.delenv("EMBER_KV_SECRET")
+    with pytest.raises(ValueError, match="EMBER_KV_SECRET"):
+        make_core(checkpoint, kv_role="prefill")
