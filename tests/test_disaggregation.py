@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_utils import EmberServer, child_pids
 
 from ember.bench.startup import free_port
+from server_utils import EmberServer, child_pids
 
 WORKER_ARGS = ["--kv-cache-memory", "16M", "--max-model-len", "512", "--block-size", "8"]
 LONG = "The quick brown fox jumps over the lazy dog while the cat watches. " * 6
@@ -189,7 +189,11 @@ def _pid_serving(url: str) -> int:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+        if (
+            b"serve" in argv
+            and b"--port" in argv
+            and argv[argv.index(b"--port") + 1] == port.encode()
+        ):
             return int(entry.name)
     raise AssertionError(f"no process serves {url}")
 

@@ -117,9 +117,7 @@ def test_handed_over_decode_matches_a_mixed_worker(
     assert prefill_core.stats().kv_holds_expired == 0  # released by the decode worker
 
 
-def test_only_blocks_the_decode_worker_lacks_are_sent(
-    checkpoint, prefill_core, reference, request
-):
+def test_only_blocks_the_decode_worker_lacks_are_sent(checkpoint, prefill_core, reference, request):
     decode_core = _decode_core(checkpoint, request, kv_transport="tcp")
     # the decode worker already computed the first 20 tokens (5 full blocks) itself
     run(decode_core, EngineCoreRequest("warm", PROMPT[:21], GREEDY, 1, []))
@@ -188,9 +186,7 @@ def test_an_unclaimed_prefill_frees_its_blocks_after_the_hold_timeout(prefill_co
 def test_aborting_a_request_while_its_kv_arrives_frees_its_blocks_after(
     checkpoint, prefill_core, request
 ):
-    decode_core = _decode_core(
-        checkpoint, request, kv_transport="fake", kv_fake_fault="delay:0.5"
-    )
+    decode_core = _decode_core(checkpoint, request, kv_transport="fake", kv_fake_fault="delay:0.5")
     remote = prefill(prefill_core, "p")
     params = KVTransferParams(remote_prefill=remote)
     decode_core.add_request(
