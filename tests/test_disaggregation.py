@@ -94,6 +94,96 @@ def requests_made_of(prompt: str) -> list[tuple[str, dict]]:
     return [("/v1/chat/completions", chat), ("/v1/completions", completion)]
 
 
+def answer(response: dict) -> list:
+    choice = response["choices"][0]
+    text = choice.get("text") or choice.get("message", {}).get("content")
+    chosen = [e["token"] for e in (choice.get("logprobs") or {}).get("content") or []]
+    return [text, chosen, choice["finish_reason"]]
+
+
+def logprobs(response: dict) -> list[float]:
+    entries = (response["choices"][0].get("logprobs") or {}).get("content") or []
+    return [e["logprob"] for e in entries]
+
+
+def _pid_serving(url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"serve" in argv
+            and b"--port" in argv
+            and argv[argv.index(b"--port") + 1] == port.encode()
+        ):
+            return int(entry.name)
+    raise AssertionError(f"no process serves {url}")
+
+
+# -- clusters of their own -------------------------------------------------------------
+
+
+def test_sessions_stay_on_their_home_prefill_worker_and_others_spread(tiny_checkpoint):
+    cluster = Up(str(tiny_checkpoint("llama")), "--prefill", "2", "--decode", "1")
+    try:
+        homes = {}
+        for session in ("alpha", "beta", "gamma", "delta"):
+            seen = set()
+            for turn in range(3):
+                body = {"prompt": f"{session} {LONG} turn {turn}", "max_tokens": 4}
+                response = post(cluster.url, "/v1/completions", body, session)
+                assert response.status_code == 200
+                seen.add(response.headers["x-ember-prefill-worker"])
+            assert len(seen) == 1
+            homes[session] = seen.pop()
+        assert len(set(homes.values())) == 2  # four sessions hash onto both workers
+
+        def anonymous(i):
+            body = {"prompt": f"{i} " + LONG * 2, "max_tokens": 4}
+            return post(cluster.url, "/v1/completions", body).headers["x-ember-prefill-worker"]
+
+        with ThreadPoolExecutor(6) as pool:
+            placed = list(pool.map(anonymous, range(12)))
+        assert set(placed) == set(cluster.urls("prefill"))  # spread by load
+        decisions = cluster.load()["decisions"]
+        assert decisions["prefill:affinity"] == 12 and decisions["prefill:least-load"] >= 12
+        cluster.wait_no_blocks()
+    finally:
+        cluster.stop()
+
+
+def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    cluster = Up(model, "--prefill", "1", "--decode", "1",
+                 "--kv-transport", "fake", "--kv-fake-fault", "fail")  # fmt: skip
+    reference = EmberServer(model, *WORKER_ARGS)
+    try:
+        for path, body in requests_made_of(LONG):
+            want = post(reference.url, path, body).json()
+            got = post(cluster.url, path, body).json()
+            assert got["usage"] == want["usage"]
+            # recomputed as one prefill: the same tokens, logprobs equal up to rounding
+            assert answer(got) == answer(want)
+            assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
+        decode_load = cluster.worker_load(cluster.urls("decode")[0])
+        assert decode_load["kv_transfer"]["loads_failed"] == 2
+        assert decode_load["num_prompt_tokens_computed"] > 0  # recomputed there
+        cluster.wait_no_blocks(timeout=5)  # released at once, not after the hold timeout
+        prefill_load = cluster.worker_load(cluster.urls("prefill")[0])
+        assert prefill_load["kv_transfer"]["holds_expired"] == 0
+    finally:
+        reference.stop()
+        cluster.stop()
+
+
+# -- one prefill + one decode worker, and a mixed worker as the reference -------------------
+
+
 @pytest.fixture(scope="module")
 def pd(tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
@@ -165,87 +255,3 @@ def test_killing_the_decode_worker_moves_new_requests_to_the_prefill_worker(pd):
     assert statuses == [200] * 6
     del cluster.workers[decode_url]
     cluster.wait_no_blocks()
-
-
-def answer(response: dict) -> list:
-    choice = response["choices"][0]
-    text = choice.get("text") or choice.get("message", {}).get("content")
-    chosen = [e["token"] for e in (choice.get("logprobs") or {}).get("content") or []]
-    return [text, chosen, choice["finish_reason"]]
-
-
-def logprobs(response: dict) -> list[float]:
-    entries = (response["choices"][0].get("logprobs") or {}).get("content") or []
-    return [e["logprob"] for e in entries]
-
-
-def _pid_serving(url: str) -> int:
-    port = url.rsplit(":", 1)[1]
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"serve" in argv
-            and b"--port" in argv
-            and argv[argv.index(b"--port") + 1] == port.encode()
-        ):
-            return int(entry.name)
-    raise AssertionError(f"no process serves {url}")
-
-
-def test_sessions_stay_on_their_home_prefill_worker_and_others_spread(tiny_checkpoint):
-    cluster = Up(str(tiny_checkpoint("llama")), "--prefill", "2", "--decode", "1")
-    try:
-        homes = {}
-        for session in ("alpha", "beta", "gamma", "delta"):
-            seen = set()
-            for turn in range(3):
-                body = {"prompt": f"{session} {LONG} turn {turn}", "max_tokens": 4}
-                response = post(cluster.url, "/v1/completions", body, session)
-                assert response.status_code == 200
-                seen.add(response.headers["x-ember-prefill-worker"])
-            assert len(seen) == 1
-            homes[session] = seen.pop()
-        assert len(set(homes.values())) == 2  # four sessions hash onto both workers
-
-        def anonymous(i):
-            body = {"prompt": f"{i} " + LONG * 2, "max_tokens": 4}
-            return post(cluster.url, "/v1/completions", body).headers["x-ember-prefill-worker"]
-
-        with ThreadPoolExecutor(6) as pool:
-            placed = list(pool.map(anonymous, range(12)))
-        assert set(placed) == set(cluster.urls("prefill"))  # spread by load
-        decisions = cluster.load()["decisions"]
-        assert decisions["prefill:affinity"] == 12 and decisions["prefill:least-load"] >= 12
-        cluster.wait_no_blocks()
-    finally:
-        cluster.stop()
-
-
-def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
-    model = str(tiny_checkpoint("llama"))
-    cluster = Up(model, "--prefill", "1", "--decode", "1",
-                 "--kv-transport", "fake", "--kv-fake-fault", "fail")  # fmt: skip
-    reference = EmberServer(model, *WORKER_ARGS)
-    try:
-        for path, body in requests_made_of(LONG):
-            want = post(reference.url, path, body).json()
-            got = post(cluster.url, path, body).json()
-            assert got["usage"] == want["usage"]
-            # recomputed as one prefill: the same tokens, logprobs equal up to rounding
-            assert answer(got) == answer(want)
-            assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
-        decode_load = cluster.worker_load(cluster.urls("decode")[0])
-        assert decode_load["kv_transfer"]["loads_failed"] == 2
-        assert decode_load["num_prompt_tokens_computed"] > 0  # recomputed there
-        cluster.wait_no_blocks(timeout=5)  # released at once, not after the hold timeout
-        prefill_load = cluster.worker_load(cluster.urls("prefill")[0])
-        assert prefill_load["kv_transfer"]["holds_expired"] == 0
-    finally:
-        reference.stop()
-        cluster.stop()

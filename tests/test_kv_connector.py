@@ -31,8 +31,10 @@ def checkpoint(tiny_checkpoint):
     return str(tiny_checkpoint("llama"))
 
 
-def make_core(checkpoint, **options) -> EngineCore:
-    config = EngineConfig(model=checkpoint, kv_cache_memory=4 << 20, block_size=4, **options)
+def make_core(checkpoint, kv_cache_memory=4 << 20, **options) -> EngineCore:
+    config = EngineConfig(
+        model=checkpoint, kv_cache_memory=kv_cache_memory, block_size=4, **options
+    )
     return EngineCore.from_config(config)
 
 
@@ -103,7 +105,8 @@ def _decode_core(checkpoint, request, **options):
 def test_handed_over_decode_matches_a_mixed_worker(
     transport, checkpoint, prefill_core, reference, request
 ):
-    decode_core = _decode_core(checkpoint, request, kv_transport=transport)
+    # a cache of another size than the prefill worker's: block ids and layouts differ
+    decode_core = _decode_core(checkpoint, request, kv_transport=transport, kv_cache_memory=3 << 20)
     remote = prefill(prefill_core, "p")
     assert prefill_core.connector.num_held == 1
     assert decode(decode_core, "d", remote) == reference

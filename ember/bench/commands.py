@@ -36,6 +36,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turn-tokens", type=int, default=32, help="agentic: each new message")
     p.add_argument("--prefix-sharing", choices=["shared", "per-session"], default="shared",
                    help="agentic: system prompt and tools shared by all sessions or not")  # fmt: skip
+    p.add_argument("--no-session-header", dest="session_header", action="store_false",
+                   help="agentic: send no x-session-affinity (routers place by prefix)")  # fmt: skip
     p.add_argument("--think-time", type=float, default=0.0, help="agentic: seconds between turns")
     p.add_argument("--trace", default=None, help="trace: Mooncake-format JSONL file")
     p.add_argument("--trace-start", type=int, default=0, help="trace: first line replayed")

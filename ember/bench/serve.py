@@ -165,7 +165,8 @@ class LoadGenerator:
         record = RequestRecord(
             session.session_id, index, time.perf_counter() - self.start, hash_ids=turn.hash_ids
         )
-        headers = {SESSION_HEADER: session.session_id} if session.agentic else {}
+        send_header = session.agentic and self.args.session_header
+        headers = {SESSION_HEADER: session.session_id} if send_header else {}
         reply = _Reply()
         sent = time.perf_counter()
         last = None

@@ -77,6 +77,7 @@ class KVConnectorWorker:
     ) -> None:
         self.kv_caches = kv_caches
         self.block_bytes = block_bytes(kv_caches)
+        self.num_blocks = kv_caches[0].shape[1] if kv_caches else 0
         self.transport_name = transport
         self.checksum = checksum
         self.shm_path = shm_path
@@ -85,6 +86,7 @@ class KVConnectorWorker:
         self._transports: dict[str, Transport] = {}
         self._secret = secret or b""
         self._timeout = timeout
+        self._host = host
         self._fake_fault = fake_fault
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ember-kv-load")
         if role == "prefill":
@@ -94,11 +96,20 @@ class KVConnectorWorker:
                     "(ember up sets it for its workers)"
                 )
             self.server = KVTransferServer(kv_caches, self.holds, secret, host, port)
+        self.mooncake = None  # a prefill worker's Mooncake endpoint, when that is the transport
+        if role == "prefill" and transport == "mooncake":
+            from ember.kv.mooncake import MooncakeEndpoint
+
+            self.mooncake = MooncakeEndpoint(kv_caches, host)
         self.node = node_id()
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        for transport in self._transports.values():
+            transport.close()
+        if self.mooncake is not None:
+            self.mooncake.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def transport_for(self, remote: RemotePrefill) -> Transport:
@@ -107,7 +118,9 @@ class KVConnectorWorker:
             name = "shm" if ShmTransport.usable(remote) else "tcp"
         transport = self._transports.get(name)
         if transport is None:
-            transport = make_transport(name, self._secret, self._timeout, self._fake_fault)
+            transport = make_transport(
+                name, self._secret, self._timeout, self._fake_fault, self._host
+            )
             self._transports[name] = transport
         return transport
 
@@ -231,6 +244,7 @@ class KVConnectorScheduler:
             return None
         num_tokens = request.num_prompt_tokens
         num_blocks = -(-num_tokens // self.block_size)
+        mooncake = self.worker.mooncake
         transfer_id = f"{request.request_id}:{secrets.token_hex(6)}"
         self.worker.holds.add(transfer_id, block_ids[:num_blocks], self.hold_timeout)
         self._held_by_request[request.request_id] = transfer_id
@@ -243,10 +257,13 @@ class KVConnectorScheduler:
             num_tokens=num_tokens,
             block_size=self.block_size,
             block_bytes=self.worker.block_bytes,
+            num_blocks=self.worker.num_blocks,
             first_token_ids=request.output_token_ids,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             node=self.worker.node,
             shm_path=self.worker.shm_path,
+            mooncake_session=mooncake.session if mooncake else None,
+            kv_addrs=mooncake.kv_addrs if mooncake else None,
         )
 
     def drop_hold(self, request_id: str) -> None:

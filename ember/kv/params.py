@@ -23,11 +23,14 @@ class RemotePrefill(msgspec.Struct, forbid_unknown_fields=True):
     num_tokens: int  # prompt tokens whose KV those blocks hold
     block_size: int
     block_bytes: int  # bytes of one block over all layers (a layout check)
+    num_blocks: int  # blocks in the prefill worker's KV cache (its tensors' layout)
     first_token_ids: list[int]  # sampled by the prefill worker, already part of the output
     first_logprobs: list[list[tuple[int, float]]] | None = None  # per first token
     num_cached_tokens: int = 0  # the prefill worker's prefix-cache hit
     node: str = ""  # the prefill host's identity (boot id); shared memory needs the same
     shm_path: str | None = None  # the prefill worker's KV cache file, when in shared memory
+    mooncake_session: str | None = None  # its Mooncake Transfer Engine, when it runs one
+    kv_addrs: list[int] | None = None  # ... and each layer's KV tensor address there
 
 
 class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):

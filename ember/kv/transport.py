@@ -47,6 +47,9 @@ class Transport:
         with self._connect(remote) as sock:
             self._release(sock, remote)
 
+    def close(self) -> None:
+        pass
+
     # -- the control connection every transport here uses ------------------------------
 
     def __init__(self, secret: bytes, timeout: float) -> None:
@@ -126,10 +129,21 @@ class ShmTransport(Transport):
     def _map(self, remote: RemotePrefill, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         caches = self._maps.get(remote.shm_path)
         if caches is None:
-            shape = tuple(like[0].shape)
+            shape = (2, remote.num_blocks, *like[0].shape[2:])  # its cache, our block layout
             caches = map_shm(remote.shm_path, len(like), shape, like[0].dtype)
             self._maps[remote.shm_path] = caches
         return caches
+
+
+def joint_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src first, dst first, count): stretches where both block lists run consecutively."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
 
 
 def copy_blocks(src_caches, src_ids, dst_caches, dst_ids) -> int:
@@ -175,7 +189,9 @@ class FakeTransport(Transport):
         self.inner.release(remote)
 
 
-def make_transport(name: str, secret: bytes, timeout: float, fault: str | None) -> Transport:
+def make_transport(
+    name: str, secret: bytes, timeout: float, fault: str | None, host: str = "127.0.0.1"
+) -> Transport:
     if name == "tcp":
         return TcpTransport(secret, timeout)
     if name == "shm":
@@ -185,5 +201,5 @@ def make_transport(name: str, secret: bytes, timeout: float, fault: str | None) 
     if name == "mooncake":
         from ember.kv.mooncake import MooncakeTransport
 
-        return MooncakeTransport(secret, timeout)
+        return MooncakeTransport(secret, timeout, host)
     raise ValueError(f"kv_transport must be auto, tcp, shm, mooncake or fake; got {name!r}")
