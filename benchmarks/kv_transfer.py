@@ -19,6 +19,7 @@ import time
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
+from ember.engine.core_proc import KV_POLL_MS
 from ember.engine.messages import EngineCoreRequest
 from ember.kv.params import KVTransferParams
 from ember.sampling_params import SamplingParams
@@ -27,10 +28,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=2)
 
 
 def run(core: EngineCore, request: EngineCoreRequest):
+    """Steps the core as its process does: waiting (not spinning) while KV arrives."""
     core.add_request(request)
     outputs = []
     while core.has_unfinished():
         outputs += core.step()
+        if not core.has_runnable():
+            time.sleep(KV_POLL_MS / 1000)
     return outputs
 
 

@@ -122,8 +122,7 @@ class KVTransferServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(30.0)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wire.prepare(conn, 30.0)
         try:
             nonce = os.urandom(wire.NONCE_BYTES)
             conn.sendall(nonce)
@@ -150,13 +149,12 @@ class KVTransferServer:
         try:
             views = list(chunks(self.kv_caches, fetch.block_ids)) if fetch.send else []
             wire.send_frame(conn, wire.FetchReply(ok=True, num_bytes=sum(map(len, views))))
-            crc = 0
-            for view in views:
-                conn.sendall(view)
-                if fetch.checksum:
-                    crc = zlib.crc32(view, crc)
-                self.num_bytes_sent += len(view)
+            wire.send_views(conn, views)
+            self.num_bytes_sent += sum(map(len, views))
             if fetch.send and fetch.checksum:
+                crc = 0
+                for view in views:
+                    crc = zlib.crc32(view, crc)
                 wire.send_frame(conn, wire.Checksum(crc))
             if not fetch.send:  # shared memory: the lease lasts until the reader releases
                 wire.recv_client_message(conn)

@@ -60,7 +60,7 @@ class Transport:
     def _connect(self, remote: RemotePrefill):
         sock = socket.create_connection((remote.host, remote.port), timeout=self.timeout)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.prepare(sock, self.timeout)
             nonce = wire.recv_exact(sock, wire.NONCE_BYTES)
             sock.sendall(wire.proof(self.secret, nonce))
             yield sock
@@ -93,8 +93,7 @@ class TcpTransport(Transport):
                     f"block layouts differ: the prefill worker sends {reply.num_bytes} bytes "
                     f"for {len(src_ids)} blocks, this worker expects {sum(map(len, views))}"
                 )
-            for view in views:
-                wire.recv_into(sock, view)
+            wire.recv_views(sock, views)
             crc = None
             if checksum:
                 message = wire.recv_reply(sock)

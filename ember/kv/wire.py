@@ -24,6 +24,8 @@ import msgspec
 NONCE_BYTES = 16
 _LEN = struct.Struct("!I")
 MAX_FRAME = 64 << 20
+IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into (Linux allows 1024)
+SOCKET_BUFFER = 4 << 20
 
 
 class Fetch(msgspec.Struct, tag="fetch"):
@@ -51,6 +53,49 @@ ClientMessage = Fetch | Release
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _reply_decoder = msgspec.msgpack.Decoder(FetchReply | Checksum)
+
+
+def prepare(sock: socket.socket, timeout: float) -> None:
+    """Blocking mode with kernel-side timeouts: a block transfer is then a few system calls
+    that wait in the kernel without the GIL (Python's own timeouts poll between partial
+    reads, and each of those would wait for the GIL behind a busy engine thread)."""
+    seconds = int(timeout)
+    interval = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, interval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, interval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Sends the buffers in order, gathering many per system call."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        sent = sock.sendmsg(pending[:IOV_BATCH])
+        pending = _advance(pending, sent)
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fills the buffers in order, scattering into many per system call."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        got = sock.recvmsg_into(pending[:IOV_BATCH], 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise ConnectionError("KV peer closed the connection")
+        pending = _advance(pending, got)
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    i = 0
+    while n and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
 
 
 def proof(secret: bytes, nonce: bytes) -> bytes:
