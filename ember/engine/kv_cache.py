@@ -83,6 +83,9 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
+        # ascending ids: a request's blocks then mostly form runs, which move between
+        # workers as single chunks (which blocks are evicted does not change)
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:

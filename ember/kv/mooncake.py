@@ -25,6 +25,8 @@ from ember.kv import wire
 from ember.kv.params import RemotePrefill
 from ember.kv.transport import KVTransferError, Transport, joint_runs
 
+MAX_BATCH = 256  # reads per batched call (larger batches fail in the TCP transport)
+
 
 def _engine(host: str):
     try:
@@ -77,9 +79,13 @@ class MooncakeTransport(Transport):
         local, peer, lengths = self._plan(remote, src_ids, dst_caches, dst_ids)
         with self._connect(remote) as sock:
             self._request(sock, wire.Fetch(remote.transfer_id, list(src_ids), send=False))
-            rc = engine.batch_transfer_sync_read(remote.mooncake_session, local, peer, lengths)
-            if rc != 0:
-                raise KVTransferError(f"Mooncake read failed (rc {rc})")
+            for i in range(0, len(local), MAX_BATCH):
+                part = slice(i, i + MAX_BATCH)
+                rc = engine.batch_transfer_sync_read(
+                    remote.mooncake_session, local[part], peer[part], lengths[part]
+                )
+                if rc != 0:
+                    raise KVTransferError(f"Mooncake read failed (rc {rc})")
             self._release(sock, remote)
         return sum(lengths), None
 
