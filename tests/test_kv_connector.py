@@ -166,8 +166,8 @@ def test_the_endpoint_serves_only_held_blocks(prefill_core):
     remote = prefill(prefill_core, "p")
     server = prefill_core.connector.worker.server
     with socket.create_connection((server.host, server.port), timeout=5) as sock:
-        nonce = wire.recv_exact(sock, wire.NONCE_BYTES)
-        sock.sendall(wire.proof(b"test-secret", nonce))
+        wire.prepare(sock, 5.0)
+        wire.authenticate_server(sock, b"test-secret")
         unheld = max(remote.block_ids) + 1
         wire.send_frame(sock, wire.Fetch(remote.transfer_id, [unheld]))
         reply = wire.recv_reply(sock)
@@ -216,6 +216,25 @@ def test_bad_kv_transfer_params_are_refused(checkpoint, prefill_core, request):
     prefill_core.abort_requests(["p"])  # the frontend gives the held prefill up
     settle(prefill_core, decode_core)
     assert prefill_core.stats().kv_holds_expired == 0
+
+
+def test_a_decode_worker_trusts_no_endpoint_without_the_secret():
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():  # accepts any proof and answers garbage
+        conn, _ = server.accept()
+        conn.sendall(b"n" * wire.NONCE_BYTES)
+        wire.recv_exact(conn, 32 + wire.NONCE_BYTES)
+        conn.sendall(b"x" * 32)
+        conn.close()
+
+    threading.Thread(target=impostor, daemon=True).start()
+    with socket.create_connection(server.getsockname(), timeout=5) as sock:
+        with pytest.raises(ConnectionError, match="secret"):
+            wire.authenticate_server(sock, b"test-secret")
+    server.close()
 
 
 def test_a_prefill_worker_needs_the_secret(checkpoint, monkeypatch):

@@ -14,9 +14,7 @@ only reads blocks that are held, which the engine never writes or reallocates.
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
 import socket
 import threading
 import time
@@ -124,9 +122,7 @@ class KVTransferServer:
     def _serve(self, conn: socket.socket) -> None:
         wire.prepare(conn, 30.0)
         try:
-            nonce = os.urandom(wire.NONCE_BYTES)
-            conn.sendall(nonce)
-            if not hmac.compare_digest(wire.recv_exact(conn, 32), wire.proof(self.secret, nonce)):
+            if not wire.authenticate_client(conn, self.secret):
                 logger.warning("KV endpoint: a peer without the cluster secret was refused")
                 return
             while True:

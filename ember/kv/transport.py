@@ -15,6 +15,7 @@ the connector then falls back to recomputing the prompt.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ember.kv import wire
-from ember.kv.buffers import chunks, map_shm, node_id
+from ember.kv.buffers import SHM_DIR, chunks, map_shm, node_id
 from ember.kv.params import RemotePrefill
 
 
@@ -61,8 +62,7 @@ class Transport:
         sock = socket.create_connection((remote.host, remote.port), timeout=self.timeout)
         try:
             wire.prepare(sock, self.timeout)
-            nonce = wire.recv_exact(sock, wire.NONCE_BYTES)
-            sock.sendall(wire.proof(self.secret, nonce))
+            wire.authenticate_server(sock, self.secret)
             yield sock
         finally:
             sock.close()
@@ -113,7 +113,9 @@ class ShmTransport(Transport):
 
     @staticmethod
     def usable(remote: RemotePrefill) -> bool:
-        return bool(remote.shm_path) and remote.node == node_id()
+        path = remote.shm_path or ""
+        ours = os.path.dirname(path) == SHM_DIR and os.path.basename(path).startswith("ember-kv-")
+        return ours and remote.node == node_id()
 
     def fetch(self, remote, src_ids, dst_caches, dst_ids, checksum=False):
         if not self.usable(remote):

@@ -1,7 +1,10 @@
 """The KV endpoint's wire protocol: length-prefixed msgpack frames, then raw block bytes.
 
     server -> client   16-byte nonce
-    client -> server   HMAC-SHA256(secret, nonce)         (wrong: the server hangs up)
+    client -> server   HMAC-SHA256(secret, nonce), its own 16-byte nonce
+                                                           (wrong: the server hangs up)
+    server -> client   HMAC-SHA256(secret, "server" + the client's nonce)
+                                                           (wrong: the client hangs up)
     client -> server   Fetch(transfer_id, block_ids, send, checksum)
     server -> client   FetchReply(ok, error, num_bytes)   then, when `send`, the bytes of
                                                            the blocks (buffers.chunks order)
@@ -9,13 +12,16 @@
     client -> server   Release(transfer_id)               the blocks may be freed
     server -> client   FetchReply(ok)
 
-The secret never crosses the wire; every connection proves it holds it.
+The secret never crosses the wire; both ends of every connection prove they hold it (a
+decode worker never trusts an endpoint that does not: it maps and reads what that
+endpoint's answers point at).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import socket
 import struct
 
@@ -100,6 +106,26 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 
 def proof(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, b"ember-kv:" + nonce, hashlib.sha256).digest()
+
+
+def authenticate_client(sock: socket.socket, secret: bytes) -> bool:
+    """Server side of the handshake; False (and nothing sent back) for a wrong proof."""
+    nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(nonce)
+    answer = recv_exact(sock, 32 + NONCE_BYTES)
+    if not hmac.compare_digest(answer[:32], proof(secret, nonce)):
+        return False
+    sock.sendall(proof(secret, b"server:" + answer[32:]))
+    return True
+
+
+def authenticate_server(sock: socket.socket, secret: bytes) -> None:
+    """Client side of the handshake; raises ConnectionError if the server fails it."""
+    nonce = recv_exact(sock, NONCE_BYTES)
+    mine = os.urandom(NONCE_BYTES)
+    sock.sendall(proof(secret, nonce) + mine)
+    if not hmac.compare_digest(recv_exact(sock, 32), proof(secret, b"server:" + mine)):
+        raise ConnectionError("the KV endpoint did not prove it holds the cluster secret")
 
 
 def send_frame(sock: socket.socket, message) -> None:
