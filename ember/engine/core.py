@@ -238,7 +238,7 @@ class EngineCore:
             kv_loads_ok=kv.stats.loads_ok,
             kv_loads_failed=kv.stats.loads_failed,
             kv_bytes_received=kv.stats.bytes_received,
-            kv_load_seconds=kv.stats.load_seconds[-100:],
+            kv_load_seconds=kv.stats.load_seconds_total,
             kv_held=kv.num_held,
             kv_holds_expired=kv.stats.holds_expired,
             kv_bytes_sent=kv.worker.server.num_bytes_sent if kv.worker.server else 0,

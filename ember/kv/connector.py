@@ -46,8 +46,8 @@ class KVStats:
     loads_ok: int = 0
     loads_failed: int = 0
     bytes_received: int = 0
-    load_seconds: list[float] = field(default_factory=list)  # recent, for percentiles
-    held: int = 0  # transfers held for decode workers right now
+    load_seconds: list[float] = field(default_factory=list)  # recent ones, for percentiles
+    load_seconds_total: float = 0.0
     holds_expired: int = 0
 
 
@@ -225,6 +225,7 @@ class KVConnectorScheduler:
             self.stats.loads_ok += 1
             self.stats.bytes_received += num_bytes
             self.stats.load_seconds = (self.stats.load_seconds + [seconds])[-1000:]
+            self.stats.load_seconds_total += seconds
             done.append((load.request, True))
         return done
 
@@ -283,6 +284,5 @@ class KVConnectorScheduler:
             request_id = self._held.pop(transfer_id)
             if self._held_by_request.get(request_id) == transfer_id:
                 del self._held_by_request[request_id]
-        self.stats.held = len(self._held)
         self.stats.holds_expired = self.worker.holds.num_expired
         return freed

@@ -100,6 +100,7 @@ def build_app(
                 "loads_ok": stats.kv_loads_ok,
                 "loads_failed": stats.kv_loads_failed,
                 "bytes_received": stats.kv_bytes_received,
+                "load_seconds": stats.kv_load_seconds,
                 "held": stats.kv_held,
                 "holds_expired": stats.kv_holds_expired,
                 "bytes_sent": stats.kv_bytes_sent,
