@@ -91,8 +91,11 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
             url = f"http://127.0.0.1:{port}"
             urls.append(url)
             router_args += [f"--{role}", url]
+            options = dict(engine_options)
+            if options.get("kv_port"):  # each worker's KV endpoint on its own port
+                options["kv_port"] += i
             command = ["serve", *model, "--port", str(port), "--role", role,
-                       *worker_flags(engine_options)]  # fmt: skip
+                       *worker_flags(options)]  # fmt: skip
             cluster.start(f"{role} worker {i}", command, cores)
         cluster.wait_healthy(urls)
         cluster.start("router", ["router", "--port", str(args.port), *router_args])
