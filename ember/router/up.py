@@ -133,6 +133,9 @@ class Cluster:
             self._check_alive()
             if self.stopping.is_set() or time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not become healthy")
+            for url in pending:
+                if _engine_dead(url):  # it serves HTTP only once its engine is up
+                    raise RuntimeError(f"{url}: its engine stopped while starting")
             pending = [u for u in pending if not _healthy(u, num_workers)]
             time.sleep(0.3)
 
@@ -162,6 +165,14 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _engine_dead(url: str) -> bool:
+    try:
+        response = httpx.get(f"{url}/health", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 503 and "engine" in response.text
 
 
 def _healthy(url: str, num_workers: int | None = None) -> bool:
