@@ -112,12 +112,14 @@ def test_compare_puts_runs_side_by_side(tiny, tmp_path, capsys):
         bench(tiny, tmp_path, name, "--num-requests", "2", "--input-len", "16",
               "--output-len", "3")  # fmt: skip
     capsys.readouterr()
-    argv = ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    argv = ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+            "--plot", str(tmp_path / "cdfs.png")]  # fmt: skip
     parsed = build_parser().parse_args(argv)
     assert parsed.func(parsed) == 0
     table = capsys.readouterr().out
     assert "metric | a | b | b / a" in table
     assert "requests completed | 2 | 2 | 1.000x" in table
+    assert (tmp_path / "cdfs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_slo_is_a_clear_error(tiny):

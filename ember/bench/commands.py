@@ -114,14 +114,19 @@ def run_serve(args) -> int:
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", help="JSON files written by ember bench serve --out")
     p.add_argument("--names", default=None, help="comma-separated column names")
+    p.add_argument("--plot", default=None, help="overlay their TTFT and ITL CDFs (PNG)")
 
 
 def run_compare(args) -> int:
     from ember.bench.report import compare_table
 
-    summaries = [json.loads(Path(f).read_text())["summary"] for f in args.results]
+    results = [json.loads(Path(f).read_text()) for f in args.results]
     names = args.names.split(",") if args.names else [Path(f).stem for f in args.results]
-    if len(names) != len(summaries):
+    if len(names) != len(results):
         raise ValueError("--names: one name per result file")
-    print(compare_table(names, summaries))
+    print(compare_table(names, [r["summary"] for r in results]))
+    if args.plot:
+        from ember.bench.report import plot_compare
+
+        plot_compare(names, [r["requests"] for r in results], args.plot)
     return 0

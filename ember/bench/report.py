@@ -120,8 +120,7 @@ def print_summary(summary: dict) -> None:
         print(f"errors: {s['errors']}")
 
 
-def plot(summary: dict, records: list[RequestRecord], path: str) -> None:
-    """TTFT and ITL CDFs, and TTFT by turn, in one PNG."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -129,6 +128,32 @@ def plot(summary: dict, records: list[RequestRecord], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ValueError("--plot needs matplotlib (pip install 'ember[bench]')") from exc
+    return plt
+
+
+def plot_compare(names: list[str], runs: list[list[dict]], path: str) -> None:
+    """TTFT and ITL CDFs of several runs (their JSON request lists), overlaid, in one PNG."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, requests in zip(names, runs, strict=True):
+        ok = [r for r in requests if r["error"] is None]
+        ttft = sorted(r["ttft"] * 1e3 for r in ok if r["ttft"] is not None)
+        itl = sorted(x * 1e3 for r in ok for x in r["itl"])
+        for ax, values in ((axes[0], ttft), (axes[1], itl)):
+            ax.step(values, [(i + 1) / len(values) for i in range(len(values))],
+                    where="post", label=name)  # fmt: skip
+    for ax, title in zip(axes, ("TTFT", "inter-token latency"), strict=True):
+        ax.set(title=f"{title} CDF", xlabel="ms", ylabel="share", ylim=(0, 1.02), xscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot(summary: dict, records: list[RequestRecord], path: str) -> None:
+    """TTFT and ITL CDFs, and TTFT by turn, in one PNG."""
+    plt = _pyplot()
     ok = [r for r in records if r.error is None]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     cdfs = (
