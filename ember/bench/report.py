@@ -135,15 +135,19 @@ def plot_compare(names: list[str], runs: list[list[dict]], path: str) -> None:
     """TTFT and ITL CDFs of several runs (their JSON request lists), overlaid, in one PNG."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    lows = [[], []]  # per axis: a log scale (latencies span decades) needs values > 0
     for name, requests in zip(names, runs, strict=True):
         ok = [r for r in requests if r["error"] is None]
         ttft = sorted(r["ttft"] * 1e3 for r in ok if r["ttft"] is not None)
         itl = sorted(x * 1e3 for r in ok for x in r["itl"])
+        for i, values in enumerate((ttft, itl)):
+            lows[i].append(min(values, default=0))
         for ax, values in ((axes[0], ttft), (axes[1], itl)):
             ax.step(values, [(i + 1) / len(values) for i in range(len(values))],
                     where="post", label=name)  # fmt: skip
-    for ax, title in zip(axes, ("TTFT", "inter-token latency"), strict=True):
-        ax.set(title=f"{title} CDF", xlabel="ms", ylabel="share", ylim=(0, 1.02), xscale="log")
+    for ax, title, low in zip(axes, ("TTFT", "inter-token latency"), lows, strict=True):
+        ax.set(title=f"{title} CDF", xlabel="ms", ylabel="share", ylim=(0, 1.02))
+        ax.set_xscale("log" if min(low) > 0 else "linear")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     fig.tight_layout()
