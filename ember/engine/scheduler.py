@@ -201,6 +201,7 @@ class Scheduler:
             elif ok:
                 request.num_computed_tokens = request.num_prompt_tokens
                 self.kv_cache.cache_blocks(request, request.num_prompt_tokens)
+                request.kv_transfer = None  # released there: a preemption recomputes here
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
             else:  # recompute the prompt here, like any request
