@@ -4,7 +4,10 @@ request recomputed and no block left allocated on either side."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +16,7 @@ from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
 from ember.kv import wire
+from ember.kv.buffers import SHM_DIR, remove_stale_shm
 from ember.kv.params import KVTransferParams
 from ember.sampling_params import SamplingParams
 
@@ -239,5 +243,17 @@ def test_a_decode_worker_trusts_no_endpoint_without_the_secret():
 
 def test_a_prefill_worker_needs_the_secret(checkpoint, monkeypatch):
     monkeypatch.delenv("EMBER_KV_SECRET")
+    before = set(os.listdir(SHM_DIR))
     with pytest.raises(ValueError, match="EMBER_KV_SECRET"):
         make_core(checkpoint, kv_role="prefill")
+    assert set(os.listdir(SHM_DIR)) <= before  # its shared-memory KV file is gone too
+
+
+def test_a_killed_engines_shared_memory_file_is_removed_by_the_next(prefill_core):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    stale = os.path.join(SHM_DIR, f"ember-kv-{dead}-00000000")
+    open(stale, "wb").close()
+    own = prefill_core.runner.kv_shm_path
+    remove_stale_shm()
+    assert not os.path.exists(stale) and os.path.exists(own)

@@ -50,7 +50,11 @@ class EngineCore:
         # a prefill worker's KV lives in shared memory, for decode workers on its host
         self.runner.allocate_kv_cache(num_blocks, shared=config.kv_role == "prefill")
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.connector = self._make_connector(config)
+        try:
+            self.connector = self._make_connector(config)
+        except BaseException:
+            self.runner.free_kv_cache()  # no shared-memory file left behind
+            raise
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,

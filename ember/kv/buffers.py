@@ -25,6 +25,7 @@ def allocate(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device
     """Per-layer KV tensors; with `shm`, views of one shared-memory file (path returned)."""
     if not shm or torch.device(device).type != "cpu" or not os.path.isdir(SHM_DIR):
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], None
+    remove_stale_shm()
     numel = num_layers * _numel(shape)
     path = os.path.join(SHM_DIR, f"ember-kv-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -43,6 +44,26 @@ def map_shm(path: str, num_layers: int, shape: tuple[int, ...], dtype: torch.dty
         raise ValueError(f"{path} does not hold a KV cache of this layout")
     flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     return list(flat.view(num_layers, *shape).unbind(0))
+
+
+def remove_stale_shm() -> None:
+    """Removes the KV files of engines that are gone (killed before they could)."""
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith("ember-kv-"):
+            continue
+        pid = name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            remove_shm(os.path.join(SHM_DIR, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_shm(path: str | None) -> None:
