@@ -204,9 +204,6 @@ class KVConnectorScheduler:
     def num_loading(self) -> int:
         return len(self._loads)
 
-    def is_loading(self, request_id: str) -> bool:
-        return request_id in self._loads
-
     def finished_loads(self) -> list[tuple[object, bool]]:
         """Loads that ended since the last call: (request, succeeded)."""
         done = []
@@ -247,14 +244,15 @@ class KVConnectorScheduler:
         num_blocks = -(-num_tokens // self.block_size)
         mooncake = self.worker.mooncake
         transfer_id = f"{request.request_id}:{secrets.token_hex(6)}"
-        self.worker.holds.add(transfer_id, block_ids[:num_blocks], self.hold_timeout)
+        held = list(block_ids[:num_blocks])
+        self.worker.holds.add(transfer_id, held, self.hold_timeout)
         self._held_by_request[request.request_id] = transfer_id
         self._held[transfer_id] = request.request_id
         return RemotePrefill(
             host=server.host,
             port=server.port,
             transfer_id=transfer_id,
-            block_ids=list(block_ids[:num_blocks]),
+            block_ids=held,
             num_tokens=num_tokens,
             block_size=self.block_size,
             block_bytes=self.worker.block_bytes,

@@ -83,10 +83,6 @@ class HeldTransfers:
                     self.num_expired += 1
         return done
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._held)
-
 
 class KVTransferServer:
     """Serves held blocks over TCP; one thread accepts, one per connection serves."""

@@ -14,6 +14,7 @@ the connector then falls back to recomputing the prompt.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import socket
@@ -31,9 +32,17 @@ class KVTransferError(RuntimeError):
     pass
 
 
-class Transport:
+class Transport(abc.ABC):
+    """A way to pull blocks; every transport here leases and releases them over the
+    prefill worker's KV endpoint (`_connect`), whatever carries the bytes."""
+
     name = "?"
 
+    def __init__(self, secret: bytes, timeout: float) -> None:
+        self.secret = secret
+        self.timeout = timeout
+
+    @abc.abstractmethod
     def fetch(
         self,
         remote: RemotePrefill,
@@ -42,20 +51,15 @@ class Transport:
         dst_ids: Sequence[int],
         checksum: bool = False,
     ) -> tuple[int, int | None]:
-        raise NotImplementedError
+        """Copies remote blocks `src_ids` into local `dst_ids`, then releases the transfer;
+        returns (bytes moved, the sender's CRC-32 when `checksum` and it sends one)."""
 
     def release(self, remote: RemotePrefill) -> None:
         with self._connect(remote) as sock:
             self._release(sock, remote)
 
-    def close(self) -> None:
-        pass
-
-    # -- the control connection every transport here uses ------------------------------
-
-    def __init__(self, secret: bytes, timeout: float) -> None:
-        self.secret = secret
-        self.timeout = timeout
+    def close(self) -> None:  # noqa: B027 - optional: most transports hold nothing
+        """Lets go of what the transport keeps between fetches."""
 
     @contextlib.contextmanager
     def _connect(self, remote: RemotePrefill):
@@ -185,9 +189,6 @@ class FakeTransport(Transport):
             view = next(chunks(dst_caches, dst_ids[:1]))
             view[0] ^= 0xFF
         return num_bytes, crc
-
-    def release(self, remote):
-        self.inner.release(remote)
 
 
 def make_transport(
