@@ -115,6 +115,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
+    # fp32 matmuls of prefill-sized batches on CPU: "ieee" (exact) or "bf16" (oneDNN may
+    # round the operands to bf16 and use AMX / AVX-512 BF16; the weights stay fp32)
+    matmul_precision: str = "ieee"
     seed: int = 0
     # disaggregation (the KV connector); the cluster secret comes from $EMBER_KV_SECRET
     kv_role: str = "mixed"  # mixed | prefill | decode
@@ -148,6 +151,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "sdpa", "cpu-paged"):
             raise ValueError(
                 f"attention_backend must be auto, sdpa or cpu-paged; got {self.attention_backend!r}"
+            )
+        if self.matmul_precision not in ("ieee", "bf16"):
+            raise ValueError(
+                f"matmul_precision must be ieee or bf16; got {self.matmul_precision!r}"
             )
         if self.kv_role not in ("mixed", "prefill", "decode"):
             raise ValueError(f"kv_role must be mixed, prefill or decode; got {self.kv_role!r}")

@@ -63,7 +63,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         model.load_weights(checkpoint.weights())
         if can_pack_for_cpu(self.device, self.dtype):
-            model.pack_for_cpu()
+            model.pack_for_cpu(bf16_products=self.config.matmul_precision == "bf16")
         return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------

@@ -170,11 +170,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, bf16_products: bool = False) -> None:
         """Moves every matmul weight into oneDNN's layout (see Linear.pack_for_cpu)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu()
+                module.pack_for_cpu(bf16_products)
         backend = self.model.layers[0].self_attn.backend
         if isinstance(backend, CPUPagedBackend) and not self.config.qk_norm:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)

@@ -76,24 +76,13 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
-// silu(gate) * up for gate_up [T, 2I] -> [T, I].
+// silu(gate) * up for gate_up [T, 2I] -> [T, I]: ATen's vectorized silu (a scalar expf
+// loop here ran 5x slower on prefill-sized rows), then the product in place.
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_float_rows(gate_up, "silu_and_mul");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = in + r * stride;
-      const float* u = g + inter;
-      float* y = o + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
-  return out;
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = at::silu(gate_up.narrow(1, 0, inter));
+  return out.mul_(gate_up.narrow(1, inter, inter));
 }
 
 // Stores k and v [T, Hkv, D] (token rows may be strided) at flat slots of the caches
