@@ -20,6 +20,14 @@ def test_small_gemm_matches_linear(rows):
     torch.testing.assert_close(kernels.small_gemm(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_small_gemm_widens_bf16_weights(rows):
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, 576), torch.randn(960, 576).bfloat16(), torch.randn(960)
+    expected = F.linear(x, w.float(), b)  # x stays fp32: only W was rounded
+    torch.testing.assert_close(kernels.small_gemm(x, w, b), expected, atol=1e-4, rtol=1e-5)
+
+
 def test_small_gemm_declines_shapes_it_does_not_handle():
     assert kernels.small_gemm_supported(8, 576, 960)
     assert not kernels.small_gemm_supported(9, 576, 960)  # larger batches: oneDNN / MKL

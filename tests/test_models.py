@@ -146,3 +146,40 @@ def test_bf16_products_stay_close_and_stay_inside_their_engine(tiny_checkpoint):
     assert token_ids(exact.generate(PROMPTS, GREEDY)) == expected
     with pytest.raises(ValueError, match="matmul_precision"):
         LLM(str(path), matmul_precision="tf32", **SMALL_KV)
+
+
+def test_bf16_weights_on_cpu_keep_fp32_activations(tiny_checkpoint):
+    path = tiny_checkpoint("llama")  # tied embeddings: the lm_head shares the bf16 table
+    # the oracle: transformers in fp32 on weights rounded to bf16 (norms stay fp32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.weight.data = module.weight.data.bfloat16().float()
+    with torch.inference_mode():
+        theirs = model(torch.tensor([PROMPTS[0]])).logits[0]
+        expected = [
+            model.generate(
+                torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
+    llm = LLM(str(path), dtype="bfloat16", **SMALL_KV)
+    runner = llm.engine.core.runner
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert runner.model.lm_head.weight.dtype == torch.bfloat16
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    assert runner.dtype == torch.float32 and runner.kv_caches[0].dtype == torch.float32
+    assert runner.model.model.fused_decode is not None  # decode steps: the C++ layer
+    ours = prefill_logits(llm, PROMPTS[0])
+    assert ours.dtype == torch.float32
+    with torch.inference_mode():  # the same weights run all in bf16, as transformers does
+        all_bf16 = model.to(torch.bfloat16)(torch.tensor([PROMPTS[0]])).logits[0].float()
+    error = (ours - theirs).abs().max()
+    assert 1e-3 < error <= (all_bf16 - theirs).abs().max()  # rounded, less than all-bf16
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+    outputs = llm.generate(PROMPTS, GREEDY)
+    pairs = zip(token_ids(outputs), expected, strict=True)
+    same = sum(a == b for ours_ids, ids in pairs for a, b in zip(ours_ids, ids, strict=True))
+    assert same >= 0.5 * NEW_TOKENS * len(PROMPTS)  # random tiny weights: near-ties diverge
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks

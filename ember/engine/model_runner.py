@@ -44,7 +44,12 @@ class ModelRunner:
         self.config = engine_config
         self.model_config = model_config
         self.device = engine_config.resolve_device()
+        # the activations' and the KV cache's dtype; on CPU a bf16 model keeps them fp32
+        # (ember's CPU kernels are fp32) and stores only its matmul weights in bf16
         self.dtype = engine_config.resolve_dtype(self.device)
+        self.weight_dtype = self.dtype
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            self.dtype = torch.float32
         self.block_size = engine_config.block_size
         self.model = self._load_model(checkpoint, max_model_len)
         self.sampler = Sampler()
@@ -63,7 +68,14 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         model.load_weights(checkpoint.weights())
         if can_pack_for_cpu(self.device, self.dtype):
-            model.pack_for_cpu(bf16_products=self.config.matmul_precision == "bf16")
+            model.pack_for_cpu(
+                bf16_products=self.config.matmul_precision == "bf16",
+                weight_dtype=self.weight_dtype,
+            )
+        elif self.weight_dtype != self.dtype:
+            raise ValueError(
+                f"dtype {self.weight_dtype} on CPU needs oneDNN (torch.backends.mkldnn)"
+            )
         return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------

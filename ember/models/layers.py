@@ -28,9 +28,13 @@ def new_param(*shape: int) -> nn.Parameter:
     return param
 
 
-def cpu_kernels_for(x: torch.Tensor):
-    """ember's fused C++ kernels when they apply to x (float32 on CPU), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+def cpu_kernels_for(x: torch.Tensor | torch.device):
+    """ember's fused C++ kernels when they apply to x (float32 on CPU; a device: CPU),
+    else None."""
+    if isinstance(x, torch.device):
+        if x.type != "cpu":
+            return None
+    elif x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     from ember.engine.kernels import cpu_kernels
 
@@ -76,6 +80,9 @@ class Linear(nn.Module):
     With `bf16_products`, fp32 matmuls of BF16_MIN_ROWS rows and more let oneDNN round
     their operands to bf16 (AMX / AVX-512 BF16: 2-4x faster prefill); fewer rows stay
     exact, and so does everything outside these matmuls (SDPA slows down in that mode).
+    With `weight_dtype=torch.bfloat16` W itself is stored in bf16 (half the bytes every
+    decode step streams) while x and y stay fp32: the small GEMM widens W in registers,
+    oneDNN multiplies bf16 x by bf16 W into fp32.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -90,6 +97,8 @@ class Linear(nn.Module):
         rows = x.shape[0]
         if self.small_gemm is not None and rows <= SMALL_GEMM_MAX_ROWS:
             return self.small_gemm(x.contiguous(), self.weight, self.bias)
+        if self.weight.dtype != x.dtype:  # bf16 weights under fp32 activations
+            return self._mixed_linear(x)
         if self.packed is not None and rows >= PACKED_MIN_ROWS:
             if self.bf16_products and rows >= BF16_MIN_ROWS:
                 with fp32_matmul_precision("bf16"):
@@ -100,10 +109,23 @@ class Linear(nn.Module):
     def _packed_linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def pack_for_cpu(self, bf16_products: bool = False) -> None:
+    def _mixed_linear(self, x: torch.Tensor) -> torch.Tensor:
+        low = x.to(self.weight.dtype)
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(low, self.packed, None, "none", [], "")
+        else:
+            y = F.linear(low, self.weight)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def pack_for_cpu(
+        self, bf16_products: bool = False, weight_dtype: torch.dtype | None = None
+    ) -> None:
+        if weight_dtype is not None and weight_dtype != self.weight.dtype:
+            self.weight.data = self.weight.data.to(weight_dtype)
         self.bf16_products = bf16_products and self.weight.dtype == torch.float32
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-        kernels = cpu_kernels_for(self.weight)
+        kernels = cpu_kernels_for(self.weight.device)
         out_features, in_features = self.weight.shape
         if kernels is not None and kernels.small_gemm_supported(1, in_features, out_features):
             self.small_gemm = kernels.small_gemm
@@ -128,11 +150,8 @@ def fp32_matmul_precision(precision: str):
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """Whether a model with activations of `dtype` takes the CPU matmul choices above."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 class MergedLinear(Linear):

@@ -103,7 +103,7 @@ class LlamaModel(nn.Module):
         self.fused_decode: FusedDecode | None = None  # set up by pack_for_cpu
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        hidden = F.embedding(input_ids, self.embed_tokens.weight)
+        hidden = F.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         if self.fused_decode is not None and not meta.prefills:
             return self.fused_decode(hidden, cos_sin, kv_caches, meta)
@@ -170,11 +170,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
 
-    def pack_for_cpu(self, bf16_products: bool = False) -> None:
-        """Moves every matmul weight into oneDNN's layout (see Linear.pack_for_cpu)."""
+    def pack_for_cpu(
+        self, bf16_products: bool = False, weight_dtype: torch.dtype | None = None
+    ) -> None:
+        """Moves every matmul weight into oneDNN's layout, in `weight_dtype` if given
+        (see Linear.pack_for_cpu; a tied lm_head converts the embedding table with it)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu(bf16_products)
+                module.pack_for_cpu(bf16_products, weight_dtype)
         backend = self.model.layers[0].self_attn.backend
         if isinstance(backend, CPUPagedBackend) and not self.config.qk_norm:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)

@@ -40,11 +40,19 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // The same choice as ember.models.layers.Linear: ember's small GEMM for decode batches,
 // oneDNN's packed weight from `packed_min_rows` rows on, else MKL on the plain weight.
+// bf16 weights (under float32 x) multiply bf16 x into an fp32 result, as in Linear.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& packed,
                      const c10::optional<torch::Tensor>& bias, int64_t packed_min_rows) {
   if (small_gemm_supported(x.size(0), weight.size(1), weight.size(0)))
     return small_gemm(x.contiguous(), weight, bias);
+  if (weight.scalar_type() != x.scalar_type()) {
+    auto low = x.to(weight.scalar_type());
+    auto y = (packed.has_value() ? packed_linear(low, *packed, c10::nullopt)
+                                 : torch::linear(low, weight))
+                 .to(x.scalar_type());
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
   if (packed.has_value() && x.size(0) >= packed_min_rows) return packed_linear(x, *packed, bias);
   return torch::linear(x, weight, bias);
 }
