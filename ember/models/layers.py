@@ -81,8 +81,8 @@ class Linear(nn.Module):
     their operands to bf16 (AMX / AVX-512 BF16: 2-4x faster prefill); fewer rows stay
     exact, and so does everything outside these matmuls (SDPA slows down in that mode).
     With `weight_dtype=torch.bfloat16` W itself is stored in bf16 (half the bytes every
-    decode step streams) while x and y stay fp32: the small GEMM widens W in registers,
-    oneDNN multiplies bf16 x by bf16 W into fp32.
+    decode step streams) while x and y stay fp32: the small GEMM widens W in registers
+    (x exact), larger batches round x to bf16 for oneDNN and widen its bf16 result.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -139,7 +139,8 @@ BF16_MIN_ROWS = 16  # measured: below this oneDNN's bf16 path is slower than its
 @contextlib.contextmanager
 def fp32_matmul_precision(precision: str):
     """oneDNN's fp32 matmul precision ("ieee", "bf16") inside this block only: the setting
-    is process-wide, and other engines in the process must not see it."""
+    is process-wide, and other engines in the process must not see it (one stepping in
+    another thread at that very moment would: engines in one process step in turn)."""
     matmul = torch.backends.mkldnn.matmul
     previous = matmul.fp32_precision
     matmul.fp32_precision = precision
