@@ -32,7 +32,13 @@ void rows_of_four(const float* x, const W* w, float* y, int64_t k_dim, int64_t n
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
   const W* w0 = w + j * k_dim;
+  // The next group's 4 rows follow these in memory: prefetch them, spread over this loop
+  // (the hardware prefetcher alone left 4-8 row batches ~25% short of stream speed).
+  const char* ahead = reinterpret_cast<const char*>(w0 + 4 * k_dim);
+  constexpr int64_t ahead_step = 4 * 16 * sizeof(W);  // bytes of W one iteration reads
   for (int64_t k = 0; k < k_dim; k += 16) {
+    for (int64_t b = 0; b < ahead_step; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    ahead += ahead_step;
     __m512 wv[4];
     for (int r = 0; r < 4; ++r) wv[r] = load16(w0 + r * k_dim + k);
     for (int m = 0; m < M; ++m) {
