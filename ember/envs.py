@@ -26,3 +26,18 @@ def kv_secret() -> bytes | None:
     line, where other users could read it)."""
     value = os.environ.get("EMBER_KV_SECRET")
     return value.encode() if value else None
+
+
+ENGINE_GOMP_SPINCOUNT = "10000000"
+
+
+def engine_core_env() -> dict[str, str]:
+    """The engine-core process's environment: this one's, with $GOMP_SPINCOUNT (libgomp,
+    which torch's OpenMP threads run on) at 10 million unless already set. The default
+    (300 thousand spins, ~0.1 ms) lets the threads fall asleep between a step's parallel
+    regions whenever the API process takes their core for a moment, and each futex
+    sleep and wake delays the whole region; spinning a few ms longer measured +5-12%
+    output tokens/s over HTTP, and idle threads still go to sleep (idle CPU unchanged)."""
+    env = dict(os.environ)
+    env.setdefault("GOMP_SPINCOUNT", ENGINE_GOMP_SPINCOUNT)
+    return env

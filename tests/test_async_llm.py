@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
-from ember import LLM, SamplingParams
+from ember import LLM, SamplingParams, envs
 from ember.engine.async_llm import AsyncLLM, EngineDeadError
 
 PROMPT = [(5 * i) % 400 + 7 for i in range(50)]
@@ -93,3 +94,20 @@ def test_a_killed_engine_core_fails_live_and_new_requests(async_llm):
 
     asyncio.run(main())
     assert async_llm.dead
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_engine_core_spins_longer_unless_told_otherwise(tiny_checkpoint, monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    engine = AsyncLLM(str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24)
+    try:
+        spin = _environ(engine.client.process.pid).get("GOMP_SPINCOUNT")
+        assert spin == envs.ENGINE_GOMP_SPINCOUNT
+    finally:
+        engine.shutdown()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # a user's own setting wins
+    assert envs.engine_core_env()["GOMP_SPINCOUNT"] == "1000"

@@ -21,6 +21,7 @@ import time
 import msgspec
 import zmq
 
+from ember import envs
 from ember.config import EngineConfig
 from ember.engine.messages import EngineFailed, EngineInput, EngineOutput, EngineReady, Shutdown
 
@@ -56,7 +57,8 @@ class EngineCoreClient:
                 f"ipc://{self._dir}/input",
                 "--output",
                 f"ipc://{self._dir}/output",
-            ]
+            ],
+            env=envs.engine_core_env(),
         )
         atexit.register(self.shutdown)
         self._startup_timeout = startup_timeout
