@@ -28,13 +28,9 @@ def new_param(*shape: int) -> nn.Parameter:
     return param
 
 
-def cpu_kernels_for(x: torch.Tensor | torch.device):
-    """ember's fused C++ kernels when they apply to x (float32 on CPU; a device: CPU),
-    else None."""
-    if isinstance(x, torch.device):
-        if x.type != "cpu":
-            return None
-    elif x.device.type != "cpu" or x.dtype != torch.float32:
+def cpu_kernels_for(x: torch.Tensor):
+    """ember's fused C++ kernels when they apply to x (float32 on CPU), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     from ember.engine.kernels import cpu_kernels
 
@@ -125,7 +121,9 @@ class Linear(nn.Module):
             self.weight.data = self.weight.data.to(weight_dtype)
         self.bf16_products = bf16_products and self.weight.dtype == torch.float32
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-        kernels = cpu_kernels_for(self.weight.device)
+        from ember.engine.kernels import cpu_kernels
+
+        kernels = cpu_kernels()  # x is fp32 on CPU (can_pack_for_cpu); W fp32 or bf16
         out_features, in_features = self.weight.shape
         if kernels is not None and kernels.small_gemm_supported(1, in_features, out_features):
             self.small_gemm = kernels.small_gemm

@@ -133,10 +133,14 @@ class Cluster:
             self._check_alive()
             if self.stopping.is_set() or time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not become healthy")
+            waiting = []
             for url in pending:
-                if _engine_dead(url):  # it serves HTTP only once its engine is up
+                response = _get_health(url)
+                if _engine_dead(response):  # it serves HTTP only once its engine is up
                     raise RuntimeError(f"{url}: its engine stopped while starting")
-            pending = [u for u in pending if not _healthy(u, num_workers)]
+                if not _healthy(response, num_workers):
+                    waiting.append(url)
+            pending = waiting
             time.sleep(0.3)
 
     def watch(self) -> None:
@@ -167,19 +171,21 @@ class Cluster:
                 process.wait()
 
 
-def _engine_dead(url: str) -> bool:
+def _get_health(url: str) -> httpx.Response | None:
     try:
-        response = httpx.get(f"{url}/health", timeout=1.0)
+        return httpx.get(f"{url}/health", timeout=1.0)
     except httpx.HTTPError:
+        return None
+
+
+def _engine_dead(response: httpx.Response | None) -> bool:
+    return response is not None and response.status_code == 503 and "engine" in response.text
+
+
+def _healthy(response: httpx.Response | None, num_workers: int | None = None) -> bool:
+    if response is None or response.status_code != 200:
         return False
-    return response.status_code == 503 and "engine" in response.text
-
-
-def _healthy(url: str, num_workers: int | None = None) -> bool:
     try:
-        response = httpx.get(f"{url}/health", timeout=1.0)
-        if response.status_code != 200:
-            return False
         return num_workers is None or response.json().get("workers") == num_workers
-    except (httpx.HTTPError, ValueError):
+    except ValueError:
         return False
