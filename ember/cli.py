@@ -74,6 +74,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "rounded to bf16 on AMX / AVX-512 BF16, ~2-3x faster prefill; weights stay fp32)",
     )
     parser.add_argument(
+        "--no-gguf-blocks",
+        action="store_true",
+        help="decode from the fp32 weights even when a GGUF file's Q4_0 / Q4_1 / Q8_0 "
+        "blocks (which decode to the same weights, bit for bit) would be 3x faster on CPU",
+    )
+    parser.add_argument(
         "--seed", type=int, default=d.seed, help="seed for unseeded sampling (default %(default)s)"
     )
 
@@ -155,6 +161,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         matmul_precision=args.matmul_precision,
+        gguf_blocks=not args.no_gguf_blocks,
         seed=args.seed,
     )
 

@@ -37,6 +37,66 @@ def test_small_gemm_declines_shapes_it_does_not_handle():
         kernels.small_gemm(torch.randn(9, 64), torch.randn(8, 64), None)
 
 
+BLOCK_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per block of 32 weights
+
+
+def random_blocks(block_bytes: int, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Every byte random (all 4- and 8-bit codes) but the fp16 scale and minimum fields,
+    which are finite, of either sign, over a wide range, subnormals included."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(
+        0, 256, (rows * cols // 32, block_bytes), dtype=torch.uint8, generator=gen
+    )
+    fields = 2 if block_bytes == 20 else 1  # Q4_1 stores d and m, the others d
+    for f in range(fields):
+        exponent = torch.randint(-26, 4, (blocks.shape[0],), generator=gen).float()
+        sign = torch.randint(0, 2, (blocks.shape[0],), generator=gen).float() * 2 - 1
+        halves = (sign * torch.rand(blocks.shape[0], generator=gen) * 2**exponent).half()
+        blocks[:, 2 * f : 2 * f + 2] = halves.view(torch.uint8).view(-1, 2)
+    return blocks.view(rows, -1)
+
+
+def dequantized(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    """The fp32 weights ember's loader makes of these blocks."""
+    import gguf
+
+    from ember.loader.dequant import dequantize
+
+    qtype = gguf.GGMLQuantizationType[name]
+    return torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(blocks.shape[0], -1))
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 11, 16])
+def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows):
+    """Bit for bit: the blocks decode to exactly the loaded fp32 W, summed in the same order."""
+    blocks = random_blocks(BLOCK_FORMATS[name], 960, 576, seed=rows)
+    w = dequantized(blocks, name)
+    assert torch.isfinite(w).all() and w.abs().max() > 0
+    torch.manual_seed(rows)
+    x, b = torch.randn(rows, 576), torch.randn(960)
+    for bias in (None, b):
+        # more than 8 rows: one pass over W per 8 rows of x, each the small GEMM's sums
+        parts = [kernels.small_gemm(part.contiguous(), w, bias) for part in x.split(8)]
+        assert torch.equal(kernels.block_gemm(x, blocks, bias), torch.cat(parts))
+    # and within fp32 rounding of MKL's product (bounded by the sum of |terms|)
+    error = (kernels.block_gemm(x, blocks, b) - F.linear(x, w, b)).abs()
+    assert (error <= 1e-5 * (x.abs() @ w.abs().T + b.abs())).all()
+
+
+def test_block_gemm_refuses_what_it_cannot_decode():
+    assert kernels.block_gemm_supported(576, 960)
+    assert not kernels.block_gemm_supported(560, 960)  # in_features not whole blocks
+    assert not kernels.block_gemm_supported(576, 962)  # out_features not a multiple of 4
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="19-byte blocks"):
+        kernels.block_gemm(x, torch.zeros(8, 38, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="whole number of blocks"):
+        kernels.block_gemm(x, torch.zeros(8, 41, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="uint8 blocks"):
+        kernels.block_gemm(x, torch.zeros(8, 40), None)
+
+
 def test_add_rms_norm_adds_in_place_and_normalizes():
     residual, delta, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
     expected_residual = residual + delta

@@ -153,15 +153,23 @@ def write_gguf(
 
 
 def write_tiny_model(
-    path: Path, arch: str = "llama", qtype: QT = QT.F32, **kwargs
+    path: Path,
+    arch: str = "llama",
+    qtype: QT = QT.F32,
+    tied: bool = False,
+    qtypes: dict[str, QT] | None = None,
+    **kwargs,
 ) -> dict[str, np.ndarray]:
-    """Write a tiny random model (matrices as `qtype`, 1-D tensors F32); return HF name -> floats."""
+    """Write a tiny random model (matrices as `qtype` or as `qtypes[GGUF name]`, 1-D tensors
+    F32; `tied`: no output.weight); return HF name -> floats."""
     rng = np.random.default_rng(0)
     originals, tensors = {}, {}
     for gguf_name, hf_name, shape in tiny_tensor_names(arch):
+        if tied and gguf_name == "output.weight":
+            continue
         weights = rng.standard_normal(shape, dtype=np.float32)
         originals[hf_name] = weights
-        tensor_type = qtype if weights.ndim == 2 else QT.F32
+        tensor_type = (qtypes or {}).get(gguf_name, qtype) if weights.ndim == 2 else QT.F32
         data = gguf.quants.quantize(gguf_order(arch, gguf_name, weights), tensor_type)
         tensors[gguf_name] = (data, tensor_type)
     write_gguf(path, arch, tensors, **kwargs)
@@ -282,6 +290,63 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
     reader = read_gguf(tmp_path / "q81.gguf")
     with pytest.raises(ValueError, match=r"blk\.0\.attn_v\.weight.*Q8_1"):
         next(iter_gguf_weights(reader, {"num_attention_heads": 4, "num_key_value_heads": 2}))
+
+
+# ---------------------------------------------------------------- decoding from the blocks
+
+BLOCK_CASES = {
+    "llama-Q4_1": dict(arch="llama", qtype=QT.Q4_1),
+    "qwen2-Q4_0": dict(arch="qwen2", qtype=QT.Q4_0),  # qkv bias
+    "llama-Q8_0-tied": dict(arch="llama", qtype=QT.Q8_0, tied=True),  # head = embedding blocks
+    # k in another format than q and v: the fused qkv decodes from fp32, the rest from blocks
+    "llama-mixed": dict(arch="llama", qtype=QT.Q4_1, qtypes={"blk.0.attn_k.weight": QT.Q8_0}),
+}
+
+
+def transformers_tiny_model(path: Path):
+    """transformers' model with the weights its own GGUF loader reads from `path`."""
+    config = gguf_to_hf_config(read_gguf(path))
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(transformers_weights(path), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: shares the embedding
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES)
+def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str) -> None:
+    """Greedy output, decoded from the file's blocks in batches of 1-12 sequences (the block
+    GEMM takes up to 16 rows, in passes of 8), equals transformers' on the same file."""
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+    from ember.models.layers import Linear
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES[case])
+    llm = LLM(str(path), kv_cache_memory=1 << 24)
+    linears = {
+        name: m for name, m in llm.engine.core.runner.model.named_modules() if isinstance(m, Linear)
+    }
+    without = {name for name, m in linears.items() if m.block_gemm is None}
+    assert without == ({"model.layers.0.self_attn.qkv_proj"} if case == "llama-mixed" else set())
+    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    reference = transformers_tiny_model(path)
+    with torch.inference_mode():
+        for prompt, tokens in zip(prompts, got, strict=True):
+            expected = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+            assert tokens == expected
+    fp32_only = LLM(str(path), kv_cache_memory=1 << 24, gguf_blocks=False)
+    assert not any(
+        isinstance(m, Linear) and m.blocks is not None
+        for m in fp32_only.engine.core.runner.model.modules()
+    )
 
 
 # ---------------------------------------------------------------- config

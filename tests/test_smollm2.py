@@ -56,6 +56,21 @@ def test_greedy_chat_matches_transformers(smollm2):
         assert output.outputs[0].text == expected_text
 
 
+def test_decode_steps_read_the_files_blocks(smollm2):
+    """The output above came from the file's Q4_1 / Q8_0 blocks: every matmul of SmolLM2
+    (30 layers x qkv, o, gate_up, down, and the head tied to the Q8_0 embedding) has them."""
+    from ember.engine.kernels import cpu_kernels
+    from ember.models.layers import Linear
+
+    llm, _ = smollm2
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    model = llm.engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 121 and all(m.block_gemm is not None for m in linears)
+    assert model.lm_head.blocks.shape == (49152, 576 // 32 * 34)  # Q8_0
+
+
 def test_answers_sensibly(smollm2):
     llm, _ = smollm2
     out = llm.chat(CHATS[0], SamplingParams(temperature=0.0, max_tokens=20))[0]

@@ -68,6 +68,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         model.load_weights(checkpoint.weights())
         if can_pack_for_cpu(self.device, self.dtype):
+            if self.config.gguf_blocks and self.weight_dtype == torch.float32:
+                model.load_gguf_blocks(checkpoint.gguf_blocks())
             model.pack_for_cpu(
                 bf16_products=self.config.matmul_precision == "bf16",
                 weight_dtype=self.weight_dtype,

@@ -51,16 +51,27 @@ class Checkpoint:
             self.num_bytes / 1e9 / max(seconds, 1e-9),
         )
 
+    def gguf_blocks(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as raw blocks (nothing for other
+        checkpoints): decode steps read these instead of the fp32 weights."""
+        if not self.is_gguf:
+            return
+        from ember.loader.gguf_loader import iter_indexed_blocks
+
+        yield from iter_indexed_blocks(self.path, self.gguf_index, self.hf_config)
+
     def tokenizer(self):
-        if self.is_gguf:
-            from ember.loader.gguf_loader import gguf_tokenizer
-
-            return gguf_tokenizer(self.path)
-        from transformers import AutoTokenizer
-
+        """The checkpoint's tokenizer, or None (with a warning) when it has none."""
         try:
+            if self.is_gguf:
+                from ember.loader.gguf_loader import gguf_tokenizer
+
+                return gguf_tokenizer(self.path)
+            from transformers import AutoTokenizer
+
             return AutoTokenizer.from_pretrained(str(self.path))
-        except (OSError, ValueError) as exc:
+        # transformers' GGUF tokenizer reader raises KeyError for absent vocabulary fields
+        except (OSError, ValueError, KeyError) as exc:
             logger.warning("no tokenizer in %s (%s); only token-id prompts work", self.path, exc)
             return None
 

@@ -15,6 +15,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.models.layers import (
+    BLOCK_GEMM_MAX_ROWS,
     PACKED_MIN_ROWS,
     Linear,
     MergedLinear,
@@ -131,16 +132,18 @@ class FusedDecode:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         weights = norms + [lin.weight for lin in linears]
-        return weights, [lin.packed for lin in linears], attn.qkv_proj.bias
+        packed = [lin.packed for lin in linears]
+        return weights, packed, [lin.blocks for lin in linears], attn.qkv_proj.bias
 
     def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         residual = hidden
         cos, sin = cos_sin
-        for i, (weights, packed, qkv_bias) in enumerate(self.layers):
+        for i, (weights, packed, blocks, qkv_bias) in enumerate(self.layers):
             hidden = self.kernels.decode_layer(
-                hidden, residual, i == 0, weights, packed, qkv_bias, self.eps, *self.shape,
-                cos, sin, kv_caches[i][0], kv_caches[i][1], meta.slot_mapping,
+                hidden, residual, i == 0, weights, packed, blocks, qkv_bias, self.eps,
+                *self.shape, cos, sin, kv_caches[i][0], kv_caches[i][1], meta.slot_mapping,
                 meta.decode_block_table, meta.decode_context_lens, self.scale, PACKED_MIN_ROWS,
+                BLOCK_GEMM_MAX_ROWS,
             )  # fmt: skip
         return hidden + residual
 
@@ -181,6 +184,18 @@ class LlamaForCausalLM(nn.Module):
         backend = self.model.layers[0].self_attn.backend
         if isinstance(backend, CPUPagedBackend) and not self.config.qk_norm:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)
+
+    def load_gguf_blocks(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hands each matmul the raw GGUF blocks of its weight (Hugging Face names, as
+        from Checkpoint.gguf_blocks); call before pack_for_cpu, which decides on them."""
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+        for name, rows in blocks:
+            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
+                name = "lm_head.weight"  # the tied head multiplies by the embedding table
+            target, shard = self._param_name(name)
+            module = linears.get(target.removesuffix(".weight"))
+            if module is not None:  # blocks of a non-matmul tensor are not used
+                module.load_blocks(rows, shard)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the parameters."""

@@ -17,7 +17,13 @@ from pathlib import Path
 logger = logging.getLogger("ember.engine")
 
 _HERE = Path(__file__).parent
-_SOURCES = ("paged_attention.cpp", "layers.cpp", "decode_layer.cpp", "small_gemm.cpp")
+_SOURCES = (
+    "paged_attention.cpp",
+    "layers.cpp",
+    "decode_layer.cpp",
+    "small_gemm.cpp",
+    "block_gemm.cpp",
+)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

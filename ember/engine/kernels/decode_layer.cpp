@@ -20,6 +20,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slots);
 bool small_gemm_supported(int64_t rows, int64_t in_features, int64_t out_features);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
@@ -38,12 +39,20 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::nullopt);
 }
 
-// The same choice as ember.models.layers.Linear: ember's small GEMM for decode batches,
-// oneDNN's packed weight from `packed_min_rows` rows on, else MKL on the plain weight.
-// bf16 weights (under float32 x) multiply bf16 x into an fp32 result, as in Linear.
+// The same choice as ember.models.layers.Linear: ember's block GEMM on the GGUF blocks
+// of W up to `block_max_rows`, its small GEMM for other decode batches, oneDNN's packed
+// weight from `packed_min_rows` rows on, else MKL on the plain weight. bf16 weights
+// (under float32 x) multiply bf16 x into an fp32 result, as in Linear.
+struct Limits {
+  int64_t packed_min_rows, block_max_rows;
+};
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& packed,
-                     const c10::optional<torch::Tensor>& bias, int64_t packed_min_rows) {
+                     const c10::optional<torch::Tensor>& blocks,
+                     const c10::optional<torch::Tensor>& bias, Limits limits) {
+  if (blocks.has_value() && x.size(0) <= limits.block_max_rows)
+    return block_gemm(x, *blocks, bias);
   if (small_gemm_supported(x.size(0), weight.size(1), weight.size(0)))
     return small_gemm(x.contiguous(), weight, bias);
   if (weight.scalar_type() != x.scalar_type()) {
@@ -53,37 +62,44 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                  .to(x.scalar_type());
     return bias.has_value() ? y.add_(*bias) : y;
   }
-  if (packed.has_value() && x.size(0) >= packed_min_rows) return packed_linear(x, *packed, bias);
+  if (packed.has_value() && x.size(0) >= limits.packed_min_rows)
+    return packed_linear(x, *packed, bias);
   return torch::linear(x, weight, bias);
 }
 
 }  // namespace
 
 // weights: {input_norm, post_norm, qkv, o, gate_up, down}; packed: the same four matmul
-// weights in oneDNN layout (or None); qkv_bias optional.
+// weights in oneDNN layout (or None); blocks: the same four as GGUF blocks (or None);
+// qkv_bias optional.
 torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool first,
                            std::vector<torch::Tensor> weights,
                            std::vector<c10::optional<torch::Tensor>> packed,
+                           std::vector<c10::optional<torch::Tensor>> blocks,
                            c10::optional<torch::Tensor> qkv_bias, double eps,
                            int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor slots, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t packed_min_rows) {
-  TORCH_CHECK(weights.size() == 6 && packed.size() == 4, "decode_layer: weights");
+                           torch::Tensor context_lens, double scale, int64_t packed_min_rows,
+                           int64_t block_max_rows) {
+  TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4,
+              "decode_layer: weights");
+  const Limits limits{packed_min_rows, block_max_rows};
   const int64_t num_seqs = hidden.size(0), head_dim = cos.size(1);
   auto x = first ? add_rms_norm(residual, c10::nullopt, weights[0], eps)
                  : add_rms_norm(residual, hidden, weights[0], eps);
-  auto qkv = linear(x, weights[2], packed[0], qkv_bias, packed_min_rows)
+  auto qkv = linear(x, weights[2], packed[0], blocks[0], qkv_bias, limits)
                  .view({num_seqs, num_heads + 2 * num_kv_heads, head_dim});
   rotary_(qkv.narrow(1, 0, num_heads + num_kv_heads), cos, sin);
   write_kv(qkv.narrow(1, num_heads, num_kv_heads), qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            key_cache, value_cache, slots);
   auto attn = paged_decode_attention(qkv.narrow(1, 0, num_heads).contiguous(), key_cache,
                                      value_cache, block_tables, context_lens, scale);
-  auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], c10::nullopt, packed_min_rows);
+  auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], blocks[1],
+                  c10::nullopt, limits);
   x = add_rms_norm(residual, o, weights[1], eps);
-  auto act = silu_and_mul(linear(x, weights[4], packed[2], c10::nullopt, packed_min_rows));
-  return linear(act, weights[5], packed[3], c10::nullopt, packed_min_rows);
+  auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits));
+  return linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits);
 }
 
 void register_decode_layer(pybind11::module& m) {

@@ -95,6 +95,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
 void register_layer_kernels(pybind11::module& m);  // layers.cpp
 void register_decode_layer(pybind11::module& m);   // decode_layer.cpp
 void register_small_gemm(pybind11::module& m);     // small_gemm.cpp
+void register_block_gemm(pybind11::module& m);     // block_gemm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -102,4 +103,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_kernels(m);
   register_decode_layer(m);
   register_small_gemm(m);
+  register_block_gemm(m);
 }
