@@ -18,6 +18,11 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <sleef.h>  // torch's copy; libtorch_cpu exports the functions
+#endif
+
 namespace {
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -30,6 +35,33 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// row[0:n] = softmax(row[0:n]) in place. exp is torch's own vectorized one (SLEEF's
+// 1-ulp expf, what torch.exp and torch.softmax run on AVX-512): std::exp one value at a
+// time took most of a decode step's attention.
+inline void softmax_(float* row, int64_t n) {
+  float peak = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : peak)
+  for (int64_t t = 0; t < n; ++t) peak = std::max(peak, row[t]);
+#ifdef __AVX512F__
+  const __m512 shift = _mm512_set1_ps(peak);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 lanes = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, row + t);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, Sleef_expf16_u10(_mm512_sub_ps(x, shift)));
+    _mm512_mask_storeu_ps(row + t, lanes, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  const float inv = 1.f / _mm512_reduce_add_ps(sums);
+#else
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) total += (row[t] = std::exp(row[t] - peak));
+  const float inv = 1.f / total;
+#endif
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) row[t] *= inv;
 }
 
 }  // namespace
@@ -71,14 +103,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
         for (int64_t g = 0; g < group; ++g)
           scores[g * len + t] = dot(q_seq + g * head_dim, key, head_dim) * fscale;
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax per query head
-        float* row = scores.data() + g * len;
-        const float peak = *std::max_element(row, row + len);
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_(scores.data() + g * len, len);
       float* out_seq = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
       for (int64_t t = 0; t < len; ++t) {  // out = p . v
         const int64_t block = table_ptr[seq * max_blocks + t / block_size];
