@@ -151,6 +151,27 @@ def test_router_keeps_sessions_home_and_survives_a_dead_worker(cluster):
     assert "no healthy worker" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--no-prefix-caching", "--no-gguf-blocks", "--kv-checksum"],
+        ["--dtype", "bfloat16", "--max-num-batched-tokens", "256", "--kv-cache-memory", "64M"],
+    ],
+)
+def test_ember_up_hands_each_engine_option_to_its_workers(flags):
+    """Every engine option of `ember up` (on or off, default or not) reaches `ember serve`."""
+    from ember.cli import build_parser, engine_options
+    from ember.router.up import worker_flags
+
+    parser = build_parser()
+    options = engine_options(parser.parse_args(["up", "m", *flags]))
+    passed = engine_options(parser.parse_args(["serve", "m", *worker_flags(options)]))
+    assert {k: v for k, v in passed.items() if k != "kv_role"} == {
+        k: v for k, v in options.items() if k != "kv_role"
+    }
+
+
 def test_ember_up_starts_a_cluster_and_stops_it_all(tiny_checkpoint):
     path = str(tiny_checkpoint("llama"))
     port, worker_port = free_port(), free_port()

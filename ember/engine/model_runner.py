@@ -18,7 +18,7 @@ from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ember.kv import buffers as kv_buffers
 from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
-from ember.models.layers import can_pack_for_cpu
+from ember.models.layers import Linear, can_pack_for_cpu
 
 logger = logging.getLogger("ember.engine")
 
@@ -74,6 +74,7 @@ class ModelRunner:
                 bf16_products=self.config.matmul_precision == "bf16",
                 weight_dtype=self.weight_dtype,
             )
+            _log_block_decode(model)
         elif self.weight_dtype != self.dtype:
             raise ValueError(
                 f"dtype {self.weight_dtype} on CPU needs oneDNN (torch.backends.mkldnn)"
@@ -204,6 +205,18 @@ class ModelRunner:
         mask = torch.arange(width * self.block_size).unsqueeze(0) < context.unsqueeze(1)
         device = self.device
         return table.to(device), mask[:, None, None, :].to(device), context.to(device)
+
+
+def _log_block_decode(model: torch.nn.Module) -> None:
+    blocks = [
+        m.blocks for m in model.modules() if isinstance(m, Linear) and m.block_gemm is not None
+    ]
+    if blocks:
+        logger.info(
+            "decode steps read the GGUF file's blocks for %d matmuls (%.0f MB per step)",
+            len(blocks),
+            sum(b.numel() for b in blocks) / 1e6,
+        )
 
 
 def _available_host_memory() -> int:

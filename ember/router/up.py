@@ -40,12 +40,16 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="pin each worker to its own share of the CPU cores")  # fmt: skip
 
 
+# options on by default, whose flags turn them off
+_NEGATED_FLAGS = {"enable_prefix_caching": "--no-prefix-caching", "gguf_blocks": "--no-gguf-blocks"}
+
+
 def worker_flags(options: dict) -> list[str]:
     """`ember serve` flags for the engine options of `ember up`."""
     flags = []
     for name, value in options.items():
-        if name == "enable_prefix_caching":
-            flags += [] if value else ["--no-prefix-caching"]
+        if name in _NEGATED_FLAGS:
+            flags += [] if value else [_NEGATED_FLAGS[name]]
         elif name == "kv_role":
             continue  # each worker's own
         elif isinstance(value, bool):
