@@ -60,15 +60,19 @@ def run_step(backend, kv_cache, seqs, num_done):
         decode_context_lens=lens_t if num_decodes else None,
         prefills=prefills,
     )
-    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, meta, D**-0.5)
+    scale = qs[0].shape[-1] ** -0.5
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, meta, scale)
     return dict(zip(order, out.split([len(seqs[i][0]) - num_done[i] for i in order]), strict=True))
 
 
+# the C++ decode kernel keeps its sums in registers for head sizes 64 and 128, takes
+# 16-float dot products for multiples of 16, and plain loops otherwise
+@pytest.mark.parametrize("head_dim", [D, 40, 64, 128])
 @pytest.mark.parametrize("name", ["sdpa", "auto"])
-def test_mixed_step_over_scattered_blocks_matches_causal_attention(name):
+def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_dim):
     backend = get_attention_backend(name, torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
-    kv_cache = torch.zeros(2, 64, BS, HKV, D)
+    kv_cache = torch.zeros(2, 64, BS, HKV, head_dim)
     lengths, done = [1, 17, 40, 90, 33], [0, 16, 39, 50, 0]  # decodes, a chunk, fresh prefills
     free = torch.randperm(64)
     seqs, used = [], 0
@@ -76,13 +80,14 @@ def test_mixed_step_over_scattered_blocks_matches_causal_attention(name):
         num_blocks = -(-n // BS)
         table = free[used : used + num_blocks]
         used += num_blocks
-        seqs.append((torch.randn(n, H, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D), table))
+        q, k, v = (torch.randn(n, heads, head_dim) for heads in (H, HKV, HKV))
+        seqs.append((q, k, v, table))
     # fill the cache with what earlier steps would have written
     for (_, k, v, table), n0 in zip(seqs, done, strict=True):
         pos = torch.arange(n0)
         flat = table[pos // BS] * BS + pos % BS
-        kv_cache[0].view(-1, HKV, D)[flat] = k[:n0]
-        kv_cache[1].view(-1, HKV, D)[flat] = v[:n0]
+        kv_cache[0].view(-1, HKV, head_dim)[flat] = k[:n0]
+        kv_cache[1].view(-1, HKV, head_dim)[flat] = v[:n0]
     outs = run_step(backend, kv_cache, seqs, done)
     for i, (q, k, v, _) in enumerate(seqs):
         torch.testing.assert_close(outs[i], reference(q, k, v)[done[i] :], atol=1e-5, rtol=1e-5)
