@@ -165,8 +165,9 @@ class Linear(nn.Module):
 
 
 PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
-# measured on SmolLM2's Q4_1 weights: ember's block GEMM 3x faster than the fp32 kernels
-# at 1-8 rows, 1.5x than oneDNN at 16; level by 32 (it re-reads W per 8 rows)
+# measured on SmolLM2's Q4_1 weights, one pass: ember's block GEMM 3.5x (1 row) to 1.8x
+# (8 rows) faster than its fp32 small GEMM, 1.5x faster than oneDNN at 16 rows, level by
+# 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
 BF16_MIN_ROWS = 16  # measured: below this oneDNN's bf16 path is slower than its fp32 one
