@@ -32,7 +32,10 @@ class Up:
             stdout=subprocess.PIPE, text=True, env=dict(os.environ, EMBER_LOG_LEVEL="WARNING"),
         )  # fmt: skip
         line = self.process.stdout.readline()
-        assert f"{self.url}/v1" in line, f"ember up did not come up: {line!r}"
+        if f"{self.url}/v1" not in line:  # stop whatever it did start, workers included
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(60)
+            raise AssertionError(f"ember up did not come up: {line!r}")
         self.workers = {w["url"]: w["pool"] for w in self.load()["workers"]}
 
     def load(self) -> dict:
@@ -162,10 +165,11 @@ def test_sessions_stay_on_their_home_prefill_worker_and_others_spread(tiny_check
 
 def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
-    cluster = Up(model, "--prefill", "1", "--decode", "1",
-                 "--kv-transport", "fake", "--kv-fake-fault", "fail")  # fmt: skip
     reference = EmberServer(model, *WORKER_ARGS)
+    cluster = None
     try:
+        cluster = Up(model, "--prefill", "1", "--decode", "1",
+                     "--kv-transport", "fake", "--kv-fake-fault", "fail")  # fmt: skip
         for path, body in requests_made_of(LONG):
             want = post(reference.url, path, body).json()
             got = post(cluster.url, path, body).json()
@@ -179,9 +183,10 @@ def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
         cluster.wait_no_blocks(timeout=5)  # released at once, not after the hold timeout
         prefill_load = cluster.worker_load(cluster.urls("prefill")[0])
         assert prefill_load["kv_transfer"]["holds_expired"] == 0
-    finally:
+    finally:  # a cluster that failed to start has stopped what it started
         reference.stop()
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
 
 
 # -- one prefill + one decode worker, and a mixed worker as the reference -------------------
@@ -191,10 +196,14 @@ def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
 def pd(tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
     reference = EmberServer(model, *WORKER_ARGS)
-    cluster = Up(model, "--prefill", "1", "--decode", "1")
-    yield cluster, reference
-    reference.stop()
-    cluster.stop()
+    try:  # the reference must not outlive a cluster that failed to start
+        cluster = Up(model, "--prefill", "1", "--decode", "1")
+        try:
+            yield cluster, reference
+        finally:
+            cluster.stop()
+    finally:
+        reference.stop()
 
 
 def test_disaggregated_output_and_usage_match_one_mixed_worker(pd):
