@@ -29,6 +29,21 @@ def cluster_secret() -> bytes | None:
     return value.encode() if value else None
 
 
+CPU_ISAS = ("avx512", "avx2", "generic")  # ember's CPU kernel builds, fastest first
+
+
+def cpu_isa() -> str | None:
+    """The CPU kernel build to use whatever the CPU offers: $EMBER_CPU_ISA, one of
+    CPU_ISAS (a path the CPU cannot run is refused when the kernels load); unset, the
+    fastest the CPU runs."""
+    value = os.environ.get("EMBER_CPU_ISA", "").strip().lower()
+    if not value:
+        return None
+    if value not in CPU_ISAS:
+        raise ValueError(f"EMBER_CPU_ISA must be one of {', '.join(CPU_ISAS)}; got {value!r}")
+    return value
+
+
 ENGINE_GOMP_SPINCOUNT = "10000000"
 
 

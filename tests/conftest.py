@@ -137,3 +137,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_isa(monkeypatch):
+    """`cpu_isa(name)` makes engines built afterwards in this test run the `name` build of
+    ember's CPU kernels (as EMBER_CPU_ISA=name would); the next test gets the default."""
+    from ember.engine.kernels import selected_isa
+
+    def use(name: str) -> None:
+        monkeypatch.setenv("EMBER_CPU_ISA", name)
+        selected_isa.cache_clear()
+
+    yield use
+    monkeypatch.delenv("EMBER_CPU_ISA", raising=False)
+    selected_isa.cache_clear()

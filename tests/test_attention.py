@@ -12,6 +12,7 @@ from ember.engine.attention import (
     TorchSDPABackend,
     get_attention_backend,
 )
+from ember.engine.kernels import supported_isas
 
 BS, HKV, GROUP, D = 16, 2, 3, 32
 H = HKV * GROUP
@@ -65,12 +66,19 @@ def run_step(backend, kv_cache, seqs, num_done):
     return dict(zip(order, out.split([len(seqs[i][0]) - num_done[i] for i in order]), strict=True))
 
 
-# the C++ decode kernel keeps its sums in registers for head sizes 64 and 128, takes
-# 16-float dot products for multiples of 16, and plain loops otherwise
-@pytest.mark.parametrize("head_dim", [D, 40, 64, 128])
-@pytest.mark.parametrize("name", ["sdpa", "auto"])
-def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_dim):
+# the C++ decode kernel keeps its sums in registers for head sizes of 4 or 8 vectors
+# (64 and 128 floats with AVX-512, 32 and 64 with 8-lane vectors), takes vector-wide dot
+# products for multiples of the vector width, and plain loops otherwise; every build the
+# CPU runs is checked
+@pytest.mark.parametrize("head_dim", [D, 40, 64, 96, 128])
+@pytest.mark.parametrize("name", ["sdpa", *(f"auto-{isa}" for isa in supported_isas())])
+def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_dim, cpu_isa):
+    if name.startswith("auto-"):
+        name, isa = name.split("-")
+        cpu_isa(isa)
     backend = get_attention_backend(name, torch.device("cpu"), torch.float32)
+    if name == "auto":
+        assert backend.kernels.isa == isa
     torch.manual_seed(0)
     kv_cache = torch.zeros(2, 64, BS, HKV, head_dim)
     lengths, done = [1, 17, 40, 90, 33], [0, 16, 39, 50, 0]  # decodes, a chunk, fresh prefills

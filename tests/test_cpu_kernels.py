@@ -1,4 +1,5 @@
-"""ember's C++ CPU kernels against the torch ops they stand in for."""
+"""ember's C++ CPU kernels against the torch ops they stand in for, on every instruction
+set build this CPU can run (an AVX-512 machine runs the AVX2 and generic builds too)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.engine.kernels import cpu_kernels
+from ember.engine.kernels import cpu_kernels, supported_isas
 
-kernels = cpu_kernels()
-pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ toolchain to build kernels")
+
+@pytest.fixture(scope="module", params=supported_isas())
+def kernels(request):
+    module = cpu_kernels(request.param)
+    if module is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    assert module.isa == request.param
+    return module
 
 
 @pytest.mark.parametrize("rows", range(1, 9))
-def test_small_gemm_matches_linear(rows):
+def test_small_gemm_matches_linear(rows, kernels):
     torch.manual_seed(rows)
     x, w, b = torch.randn(rows, 576), torch.randn(960, 576), torch.randn(960)
     torch.testing.assert_close(kernels.small_gemm(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
@@ -21,14 +28,14 @@ def test_small_gemm_matches_linear(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_small_gemm_widens_bf16_weights(rows):
+def test_small_gemm_widens_bf16_weights(rows, kernels):
     torch.manual_seed(rows)
     x, w, b = torch.randn(rows, 576), torch.randn(960, 576).bfloat16(), torch.randn(960)
     expected = F.linear(x, w.float(), b)  # x stays fp32: only W was rounded
     torch.testing.assert_close(kernels.small_gemm(x, w, b), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_small_gemm_declines_shapes_it_does_not_handle():
+def test_small_gemm_declines_shapes_it_does_not_handle(kernels):
     assert kernels.small_gemm_supported(8, 576, 960)
     assert not kernels.small_gemm_supported(9, 576, 960)  # larger batches: oneDNN / MKL
     assert not kernels.small_gemm_supported(4, 570, 960)  # in_features not a multiple of 16
@@ -68,7 +75,7 @@ def dequantized(blocks: torch.Tensor, name: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 11, 16])
-def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows):
+def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows, kernels):
     """Bit for bit: the blocks decode to exactly the loaded fp32 W, summed in the same order."""
     blocks = random_blocks(BLOCK_FORMATS[name], 960, 576, seed=rows)
     w = dequantized(blocks, name)
@@ -84,7 +91,7 @@ def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows):
     assert (error <= 1e-5 * (x.abs() @ w.abs().T + b.abs())).all()
 
 
-def test_block_gemm_refuses_what_it_cannot_decode():
+def test_block_gemm_refuses_what_it_cannot_decode(kernels):
     assert kernels.block_gemm_supported(576, 960)
     assert not kernels.block_gemm_supported(560, 960)  # in_features not whole blocks
     assert not kernels.block_gemm_supported(576, 962)  # out_features not a multiple of 4
@@ -97,7 +104,7 @@ def test_block_gemm_refuses_what_it_cannot_decode():
         kernels.block_gemm(x, torch.zeros(8, 40), None)
 
 
-def test_add_rms_norm_adds_in_place_and_normalizes():
+def test_add_rms_norm_adds_in_place_and_normalizes(kernels):
     residual, delta, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
     expected_residual = residual + delta
     out = kernels.add_rms_norm(residual, delta, w, 1e-5)
@@ -110,7 +117,7 @@ def test_add_rms_norm_adds_in_place_and_normalizes():
     torch.testing.assert_close(residual, untouched)
 
 
-def test_rotary_rotates_strided_heads_in_place():
+def test_rotary_rotates_strided_heads_in_place(kernels):
     qkv = torch.randn(7, 10, 32)  # q and k heads are the first 8 of every token's 10
     cos, sin = torch.randn(7, 32), torch.randn(7, 32)
     qk = qkv[:, :8]
@@ -122,13 +129,13 @@ def test_rotary_rotates_strided_heads_in_place():
     torch.testing.assert_close(qkv[:, 8:], untouched)
 
 
-def test_silu_and_mul():
+def test_silu_and_mul(kernels):
     gate_up = torch.randn(3, 256)
     expected = F.silu(gate_up[:, :128]) * gate_up[:, 128:]
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), expected)
 
 
-def test_write_kv_stores_rows_at_their_slots():
+def test_write_kv_stores_rows_at_their_slots(kernels):
     cache_k, cache_v = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
     kv = torch.randn(3, 6, 8)  # k heads 2..3 and v heads 4..5 of a fused qkv
     slots = torch.tensor([5, 17, 63])
@@ -144,10 +151,45 @@ def test_a_build_killed_mid_way_does_not_block_the_next_one():
     import subprocess
     import sys
 
-    from ember.engine.kernels import _build_directory
+    from ember.engine.kernels import _STAMP, _build_directory
 
-    stale = _build_directory() / "lock"
+    directory = _build_directory("generic")
+    cpu_kernels("generic")  # built, then: the stamp lost (the build did not finish)
+    (directory / _STAMP).unlink()
+    stale = directory / "lock"
     stale.touch()
-    load = "from ember.engine.kernels import cpu_kernels; assert cpu_kernels() is not None"
+    load = "from ember.engine.kernels import cpu_kernels; assert cpu_kernels('generic') is not None"
     subprocess.run([sys.executable, "-c", load], check=True, timeout=600)
     assert not stale.exists()
+    assert (directory / _STAMP).exists()
+
+
+AMD_AVX2 = frozenset("fpu sse2 avx avx2 bmi1 bmi2 f16c fma abm movbe xsave".split())
+XEON_AVX512 = AMD_AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "amx_bf16"}
+
+
+def test_the_build_is_picked_from_the_cpus_flags_at_run_time(monkeypatch):
+    from ember.engine import kernels as module
+
+    monkeypatch.setattr(module, "_is_x86", lambda: True)
+    assert module.supported_isas(XEON_AVX512) == ["avx512", "avx2", "generic"]
+    assert module.supported_isas(AMD_AVX2) == ["avx2", "generic"]
+    assert module.supported_isas(AMD_AVX2 - {"fma"}) == ["generic"]  # AVX2 without FMA
+    assert module.supported_isas(frozenset()) == ["generic"]
+    monkeypatch.setattr(module, "_is_x86", lambda: False)  # ARM: the portable build
+    assert module.supported_isas(XEON_AVX512) == ["generic"]
+
+
+def test_ember_cpu_isa_forces_a_build_and_refuses_one_the_cpu_cannot_run(monkeypatch, cpu_isa):
+    from ember.engine import kernels as module
+
+    cpu_isa("generic")
+    assert module.selected_isa() == "generic"
+    cpu_isa("AVX9")
+    with pytest.raises(ValueError, match="EMBER_CPU_ISA must be one of avx512, avx2, generic"):
+        module.selected_isa()
+    cpu_isa("avx512")
+    monkeypatch.setattr(module, "cpu_flags", lambda: AMD_AVX2)
+    monkeypatch.setattr(module, "_is_x86", lambda: True)
+    with pytest.raises(ValueError, match=r"EMBER_CPU_ISA=avx512: .*lacks avx512bw, .*runs avx2, generic"):
+        module.selected_isa()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from ember.engine.kernels import cpu_kernels, selected_isa, supported_isas
 from ember.loader.checkpoint import open_checkpoint
 from ember.loader.default_models import resolve_model
 from ember.loader.hf_reference import transformers_model
@@ -31,18 +32,15 @@ def smollm2():
     )
 
 
-def test_greedy_chat_matches_transformers(smollm2):
+@pytest.fixture(scope="module")
+def reference_tokens(smollm2):
+    """transformers' greedy continuation of each chat."""
     llm, reference = smollm2
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    outputs = llm.chat(CHATS, params)
     tokenizer = llm.get_tokenizer()
-    for chat, output in zip(CHATS, outputs, strict=True):
-        prompt = output.prompt_token_ids
-        assert prompt == list(
-            tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)[
-                "input_ids"
-            ]
-        )
+    generations = []
+    for chat in CHATS:
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)
+        prompt = list(prompt["input_ids"])
         with torch.inference_mode():
             generated = reference.generate(
                 torch.tensor([prompt]),
@@ -51,6 +49,25 @@ def test_greedy_chat_matches_transformers(smollm2):
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.eos_token_id,
             )[0, len(prompt) :].tolist()
+        generations.append((prompt, generated))
+    return generations
+
+
+# every CPU kernel build this machine runs (an AVX-512 machine runs all three)
+@pytest.mark.parametrize("isa", supported_isas())
+def test_greedy_chat_matches_transformers(smollm2, reference_tokens, isa, cpu_isa):
+    llm, _ = smollm2
+    if isa != selected_isa():
+        cpu_isa(isa)
+        llm = LLM(str(resolve_model(None)), kv_cache_memory=1 << 27, max_model_len=2048)
+        if cpu_kernels() is not None:
+            qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+            assert qkv.block_gemm.__module__ == f"ember_cpu_kernels_{isa}"
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outputs = llm.chat(CHATS, params)
+    tokenizer = llm.get_tokenizer()
+    for (prompt, generated), output in zip(reference_tokens, outputs, strict=True):
+        assert output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == generated
         expected_text = tokenizer.decode(generated, skip_special_tokens=True)
         assert output.outputs[0].text == expected_text
@@ -59,7 +76,6 @@ def test_greedy_chat_matches_transformers(smollm2):
 def test_decode_steps_read_the_files_blocks(smollm2):
     """The output above came from the file's Q4_1 / Q8_0 blocks: every matmul of SmolLM2
     (30 layers x qkv, o, gate_up, down, and the head tied to the Q8_0 embedding) has them."""
-    from ember.engine.kernels import cpu_kernels
     from ember.models.layers import Linear
 
     llm, _ = smollm2

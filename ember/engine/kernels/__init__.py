@@ -1,11 +1,16 @@
 """ember's own CPU kernels, compiled on first use with torch's C++ extension tooling.
 
-Built once per checkout, source version and CPU into ~/.cache/ember/kernels/<key> (the
-key hashes this directory's path, the sources, the flags and the CPU's model and feature
-flags: two checkouts sharing one build directory would rebuild each other's, since ninja
-sees the source paths change, and a cache shared by machines must not hand one CPU the
-instructions of another); when a compiler is missing or the build fails, callers fall
-back to plain torch ops.
+One build per instruction set (`ISA_FLAGS`): AVX-512 (x86-64-v4), AVX2 with FMA and
+F16C (x86-64-v3), and `generic` (the compiler's baseline: SSE2 on x86-64, NEON on
+ARM); the same sources, written against simd.h. Which one runs is decided at run time
+from the CPU's feature flags, never by the machine that built it, so a build directory
+may be shared by any machines; $EMBER_CPU_ISA forces one (`ember.envs.cpu_isa`).
+
+Builds go to ~/.cache/ember/kernels/<isa>-<key> (the key hashes this directory's path,
+the sources and the flags: two checkouts sharing one build directory would rebuild each
+other's, since ninja sees the source paths change). A finished build leaves a stamp, and
+later processes load its shared object directly, without the build tooling. When a
+compiler is missing or the build fails, callers fall back to plain torch ops.
 
 Builds of one directory take turns under an flock, which the kernel releases when its
 holder dies; torch's own lock file (which a killed build leaves behind, and every later
@@ -18,9 +23,13 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
+import platform
 import time
 from pathlib import Path
+
+from ember import envs
 
 logger = logging.getLogger("ember.engine")
 
@@ -32,30 +41,71 @@ _SOURCES = (
     "small_gemm.cpp",
     "block_gemm.cpp",
 )
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_HEADERS = ("simd.h",)
+_CFLAGS = ["-O3", "-fopenmp", "-fvisibility=hidden"]
+ISA_FLAGS = {
+    "avx512": ["-march=x86-64-v4", "-mtune=icelake-server"],  # measured: generic tuning 10% slower
+    "avx2": ["-march=x86-64-v3", "-mtune=generic"],
+    "generic": [],
+}
+# what each x86 build's instructions need, as /proc/cpuinfo names the features
+_AVX2_NEEDS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+_X86_NEEDS = {
+    "avx512": _AVX2_NEEDS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "avx2": _AVX2_NEEDS,
+}
+_STAMP = "ember-built"
 
 
-def _build_directory() -> Path:
-    from ember import envs
-
-    digest = hashlib.sha256(str(_HERE).encode() + " ".join(_CFLAGS).encode() + _cpu_identity())
-    for name in _SOURCES:
-        digest.update((_HERE / name).read_bytes())
-    path = envs.cache_dir() / "kernels" / digest.hexdigest()[:16]
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _cpu_identity() -> bytes:
-    """The CPU's model name and feature flags (what -march=native compiles for)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        import platform
+        return frozenset()
+    for line in lines:
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
-        return platform.processor().encode()
-    wanted = ("model name", "flags", "Features")
-    return "\n".join(sorted({ln for ln in lines if ln.startswith(wanted)})).encode()
+
+def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The kernel builds this CPU can run, fastest first (`generic` always)."""
+    flags = cpu_flags() if flags is None else flags
+    if not _is_x86():
+        return ["generic"]
+    return [isa for isa, needs in _X86_NEEDS.items() if needs <= flags] + ["generic"]
+
+
+@functools.cache
+def selected_isa() -> str:
+    """$EMBER_CPU_ISA when set (ValueError if this CPU cannot run it), else the fastest;
+    read once per process (tests that change it call `selected_isa.cache_clear()`)."""
+    forced, runnable = envs.cpu_isa(), supported_isas()
+    if forced is None:
+        return runnable[0]
+    if forced not in runnable:
+        missing = sorted(_X86_NEEDS[forced] - cpu_flags()) if _is_x86() else ["x86-64"]
+        raise ValueError(
+            f"EMBER_CPU_ISA={forced}: this CPU cannot run it (it lacks {', '.join(missing)}); "
+            f"it runs {', '.join(runnable)}"
+        )
+    return forced
+
+
+def _build_directory(isa: str) -> Path:
+    digest = hashlib.sha256(str(_HERE).encode())
+    digest.update(" ".join(_CFLAGS + ISA_FLAGS[isa]).encode())
+    for name in _SOURCES + _HEADERS:
+        digest.update((_HERE / name).read_bytes())
+    path = envs.cache_dir() / "kernels" / f"{isa}-{digest.hexdigest()[:16]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @contextlib.contextmanager
@@ -70,25 +120,49 @@ def _build_turn(build_directory: Path):
         yield
 
 
-@functools.cache
-def cpu_kernels():
-    """The compiled module, or None when it cannot be built here."""
-    try:
-        from torch.utils.cpp_extension import load
+def cpu_kernels(isa: str | None = None):
+    """The compiled module for `isa` (default: `selected_isa()`), or None when it cannot
+    be built here. Its `isa` attribute names the build."""
+    return _kernels(isa or selected_isa())
 
+
+@functools.cache
+def _kernels(isa: str):
+    name = f"ember_cpu_kernels_{isa}"
+    try:
         start = time.perf_counter()
-        build_directory = _build_directory()
-        with _build_turn(build_directory):
-            module = load(
-                name="ember_cpu_kernels",
-                sources=[str(_HERE / name) for name in _SOURCES],
-                build_directory=str(build_directory),
-                extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
+        build_directory = _build_directory(isa)
+        stamp = build_directory / _STAMP
+        if stamp.exists():  # a finished build of exactly these sources and flags
+            module = _load_built(name, build_directory / stamp.read_text().strip())
+        else:
+            module = _build(name, isa, build_directory)
+            stamp.write_text(Path(module.__file__).name)
+        logger.info("CPU kernels: the %s build, ready in %.2f s", isa, time.perf_counter() - start)
         return module
     except Exception as exc:  # no compiler, no ninja, build error: use torch ops
-        logger.warning("CPU kernels unavailable (%s); using torch SDPA for decode", exc)
+        logger.warning("CPU kernels (%s) unavailable (%s); using torch ops", isa, exc)
         return None
+
+
+def _build(name: str, isa: str, build_directory: Path):
+    from torch.utils.cpp_extension import load
+
+    with _build_turn(build_directory):
+        return load(
+            name=name,
+            sources=[str(_HERE / source) for source in _SOURCES],
+            build_directory=str(build_directory),
+            extra_cflags=_CFLAGS + ISA_FLAGS[isa],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+
+
+def _load_built(name: str, path: Path):
+    import torch  # noqa: F401  (the module links against libtorch: load that first)
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

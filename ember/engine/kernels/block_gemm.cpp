@@ -1,12 +1,13 @@
 // y = x W^T for a few rows of float32 x, W kept as the GGUF file's quantized blocks
-// (Q4_0, Q4_1, Q8_0: 32 weights per block), AVX-512.
+// (Q4_0, Q4_1, Q8_0: 32 weights per block), on whichever vector ISA this build is
+// for (simd.h).
 //
 // The fp32 weights ember loads from such a file are exactly what these blocks decode to:
 // every block value is a 4- or 8-bit integer times an fp16 scale (plus an fp16 minimum for
 // Q4_1); the product is exact in fp32, so one fused multiply-add rounds the way the
 // loader's `d * q + m` does. Decoding in registers therefore reproduces the fp32 weights
 // bit for bit, while a decode step streams 0.56-1.06 bytes per weight instead of 4.
-// The arithmetic is small_gemm.cpp's, in the same order (16-float chunks of k, M x 4
+// The arithmetic is small_gemm.cpp's, in the same order (one vector of k at a time, M x R
 // register accumulators, one reduction at the end), so the results are bit-identical
 // to small_gemm on the dequantized weights.
 //
@@ -18,95 +19,97 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
+#include "simd.h"
 
 namespace {
 
+using simd::kLanes;
+using simd::vf;
+
 constexpr int64_t kBlockWeights = 32;
+constexpr int kChunks = kBlockWeights / kLanes;  // vectors per block
 constexpr int kMaxRows = 8;  // rows of x per pass over W (register accumulators)
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return _cvtsh_ss(bits);
+// Each format decodes one block into its kChunks vectors of weights, in order.
+// The 4-bit formats keep weights 0-15 in the low nibbles of their 16 bytes, 16-31 in the
+// high ones.
+template <typename Decode>
+inline void nibble_halves(const uint8_t* q, vf* out, const Decode& decode) {
+  for (int c = 0; c < kChunks / 2; ++c) {
+    vf low, high;
+    simd::nibbles(q + c * kLanes, low, high);
+    out[c] = decode(low);
+    out[kChunks / 2 + c] = decode(high);
+  }
 }
 
 struct Q4_0 {
   static constexpr int64_t kBytes = 18;
-  static inline void decode(const uint8_t* block, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(half_at(block));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2)));
-    const __m512i eight = _mm512_set1_epi32(8);
-    const __m512i q_lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
-    const __m512i q_hi = _mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight);
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q_lo));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q_hi));
+  static inline void decode(const uint8_t* block, vf* out) {
+    const vf d = simd::set1(simd::half_at(block)), eight = simd::set1(8.f);
+    nibble_halves(block + 2, out, [&](vf q) { return simd::mul(d, simd::sub(q, eight)); });
   }
 };
 
 struct Q4_1 {
   static constexpr int64_t kBytes = 20;
-  static inline void decode(const uint8_t* block, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(half_at(block));
-    const __m512 m = _mm512_set1_ps(half_at(block + 2));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-    const __m512i q_lo = _mm512_and_si512(q, _mm512_set1_epi32(0x0F));
-    const __m512i q_hi = _mm512_srli_epi32(q, 4);
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), d, m);  // d * q is exact: one rounding
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_hi), d, m);
+  static inline void decode(const uint8_t* block, vf* out) {
+    const vf d = simd::set1(simd::half_at(block)), m = simd::set1(simd::half_at(block + 2));
+    // d * q is exact: one rounding, fused or not
+    nibble_halves(block + 4, out, [&](vf q) { return simd::fma(q, d, m); });
   }
 };
 
 struct Q8_0 {
   static constexpr int64_t kBytes = 34;
-  static inline void decode(const uint8_t* block, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(half_at(block));
-    const __m128i* q = reinterpret_cast<const __m128i*>(block + 2);
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+  static inline void decode(const uint8_t* block, vf* out) {
+    const vf d = simd::set1(simd::half_at(block));
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int c = 0; c < kChunks; ++c) out[c] = simd::mul(simd::from_i8(q + c * kLanes), d);
   }
 };
 
-// R consecutive rows of W against M rows of x: the R rows' blocks are decoded once into
-// registers and used for every row of x. M x R accumulators + 2R decoded + 2 x vectors
-// must fit in the 32 zmm registers, so R is 4 up to M = 4 and 2 beyond.
+// R rows of W against M rows of x, as in small_gemm.cpp: the R rows' blocks are decoded
+// once into registers and used for every row of x. M x R accumulators, R x kChunks
+// decoded vectors and kChunks of x must fit in the registers (32 with AVX-512, 16
+// otherwise), which sets R for each M.
+template <int M>
+constexpr int rows_per_group() {
+  if (kLanes == 16) return M <= 4 ? 4 : 2;
+  return M <= 2 ? 2 : 1;
+}
+
 template <int M, int R, typename F>
 void row_group(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_t n_dim,
                int64_t row_bytes, int64_t j) {
-  __m512 acc[M][R];
+  vf acc[M][R];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[m][r] = simd::zero();
   const uint8_t* w0 = w + j * row_bytes;
   // The next group's rows follow these: prefetch them, spread over this loop.
   const char* ahead = reinterpret_cast<const char*>(w0 + R * row_bytes);
   constexpr int64_t ahead_step = R * F::kBytes;  // bytes of W one block step reads
   for (int64_t b = 0; b < k_dim / kBlockWeights; ++b) {
-    for (int64_t o = 0; o < ahead_step; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-    _mm_prefetch(ahead + ahead_step - 1, _MM_HINT_T0);
+    for (int64_t o = 0; o < ahead_step; o += 64) simd::prefetch(ahead + o);
+    simd::prefetch(ahead + ahead_step - 1);
     ahead += ahead_step;
-    __m512 lo[R], hi[R];
-    for (int r = 0; r < R; ++r) F::decode(w0 + r * row_bytes + b * F::kBytes, lo[r], hi[r]);
+    vf weights[R][kChunks];
+    for (int r = 0; r < R; ++r) F::decode(w0 + r * row_bytes + b * F::kBytes, weights[r]);
     const float* xb = x + b * kBlockWeights;
-    for (int m = 0; m < M; ++m) {
-      const __m512 x_lo = _mm512_loadu_ps(xb + m * k_dim);
-      const __m512 x_hi = _mm512_loadu_ps(xb + m * k_dim + 16);
-      for (int r = 0; r < R; ++r) {
-        acc[m][r] = _mm512_fmadd_ps(x_lo, lo[r], acc[m][r]);
-        acc[m][r] = _mm512_fmadd_ps(x_hi, hi[r], acc[m][r]);
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < kChunks; ++c) {
+        const vf xv = simd::load(xb + m * k_dim + c * kLanes);
+        for (int r = 0; r < R; ++r) acc[m][r] = simd::fma(xv, weights[r][c], acc[m][r]);
       }
-    }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = simd::reduce_add(acc[m][r]);
 }
 
 template <int M, typename F>
 void block_gemm_m(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_t n_dim,
                   int64_t row_bytes) {
-  constexpr int R = M <= 4 ? 4 : 2;
+  constexpr int R = rows_per_group<M>();
   at::parallel_for(0, n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       row_group<M, R, F>(x, w, y, k_dim, n_dim, row_bytes, g * R);
@@ -169,15 +172,8 @@ torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<to
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
-#else
-bool block_gemm_supported(int64_t, int64_t) { return false; }
-torch::Tensor block_gemm(torch::Tensor x, torch::Tensor, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "block_gemm: built without AVX-512");
-  return x;
-}
-#endif
 
 void register_block_gemm(pybind11::module& m) {
-  m.def("block_gemm", &block_gemm, "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q8_0 blocks (AVX-512)");
+  m.def("block_gemm", &block_gemm, "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q8_0 blocks");
   m.def("block_gemm_supported", &block_gemm_supported, "whether block_gemm takes these shapes");
 }

@@ -18,10 +18,7 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#include <sleef.h>  // torch's copy; libtorch_cpu exports the functions
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -37,71 +34,73 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// row[0:n] = softmax(row[0:n]) in place. exp is torch's own vectorized one (SLEEF's
-// 1-ulp expf, what torch.exp and torch.softmax run on AVX-512): std::exp one value at a
-// time took most of a decode step's attention.
+// row[0:n] = softmax(row[0:n]) in place. exp is a vectorized one (SLEEF's 1-ulp expf,
+// what torch.exp and torch.softmax run, on the x86 paths): std::exp one value at a time
+// took most of a decode step's attention.
 inline void softmax_(float* row, int64_t n) {
   float peak = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : peak)
   for (int64_t t = 0; t < n; ++t) peak = std::max(peak, row[t]);
-#ifdef __AVX512F__
-  const __m512 shift = _mm512_set1_ps(peak);
-  __m512 sums = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 lanes = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-    const __m512 x = _mm512_maskz_loadu_ps(lanes, row + t);
-    const __m512 e = _mm512_maskz_mov_ps(lanes, Sleef_expf16_u10(_mm512_sub_ps(x, shift)));
-    _mm512_mask_storeu_ps(row + t, lanes, e);
-    sums = _mm512_add_ps(sums, e);
+  const simd::vf shift = simd::set1(peak);
+  simd::vf sums = simd::zero();
+  int64_t t = 0;
+  for (; t + simd::kLanes <= n; t += simd::kLanes) {
+    const simd::vf e = simd::exp(simd::sub(simd::load(row + t), shift));
+    simd::store(row + t, e);
+    sums = simd::add(sums, e);
   }
-  const float inv = 1.f / _mm512_reduce_add_ps(sums);
-#else
-  float total = 0.f;
-  for (int64_t t = 0; t < n; ++t) total += (row[t] = std::exp(row[t] - peak));
+  float total = simd::reduce_add(sums);
+  for (; t < n; ++t) total += (row[t] = std::exp(row[t] - peak));
   const float inv = 1.f / total;
-#endif
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) row[t] *= inv;
 }
 
-#ifdef __AVX512F__
-// q . k for head_dim % 16 == 0: independent accumulators, one reduction (the compiler's
-// own vectorization of `dot` chained every FMA through one 8-float register)
-inline float dot16(const float* a, const float* b, int64_t n) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-  for (int64_t i = 0; i < n; i += 16)
-    acc[(i >> 4) & 3] =
-        _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc[(i >> 4) & 3]);
-  return _mm512_reduce_add_ps(
-      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+// q . k for head_dim a multiple of the vector width: independent accumulators, one
+// reduction (the compiler's own vectorization of `dot` chained every FMA through one
+// register)
+inline float dot_lanes(const float* a, const float* b, int64_t n) {
+  using simd::kLanes;
+  simd::vf acc[4] = {simd::zero(), simd::zero(), simd::zero(), simd::zero()};
+  for (int64_t i = 0; i < n; i += kLanes)
+    acc[(i / kLanes) & 3] = simd::fma(simd::load(a + i), simd::load(b + i), acc[(i / kLanes) & 3]);
+  return simd::reduce_add(simd::add(simd::add(acc[0], acc[1]), simd::add(acc[2], acc[3])));
 }
 
-// out[0 : 16 C] = sum over t of p[t] * value(t)[0 : 16 C], the sums held in registers
+// out[0 : C lanes] = sum over t of p[t] * value(t)[0 : C lanes], the sums held in registers
 template <int C, typename ValueAt>
-void weighted_sum(const float* p, int64_t len, const ValueAt& value_at, float* out) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+void weighted_sum(const float* p, int64_t len, const ValueAt& value_at, float* out,
+                  int64_t offset) {
+  simd::vf acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = simd::zero();
   for (int64_t t = 0; t < len; ++t) {
-    const __m512 weight = _mm512_set1_ps(p[t]);
-    const float* value = value_at(t);
+    const simd::vf weight = simd::set1(p[t]);
+    const float* value = value_at(t) + offset;
     for (int c = 0; c < C; ++c)
-      acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), acc[c]);
+      acc[c] = simd::fma(weight, simd::load(value + simd::kLanes * c), acc[c]);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+  for (int c = 0; c < C; ++c) simd::store(out + offset + simd::kLanes * c, acc[c]);
 }
 
-// The head sizes with register-held sums; others take the scalar-loop path.
+// Head sizes that are whole numbers of 4 vectors have register-held sums, taken 8 vectors
+// of columns at a time where they divide the head (128 floats with AVX-512, 64 with
+// 8-lane vectors), else 4; others take the scalar-loop path.
 template <typename ValueAt>
 bool weighted_sum_fast(const float* p, int64_t len, const ValueAt& value_at, float* out,
                        int64_t head_dim) {
-  switch (head_dim) {
-    case 64: weighted_sum<4>(p, len, value_at, out); return true;
-    case 128: weighted_sum<8>(p, len, value_at, out); return true;
-    default: return false;
+  constexpr int64_t wide = 8 * simd::kLanes, narrow = 4 * simd::kLanes;
+  if (head_dim % wide == 0) {
+    for (int64_t offset = 0; offset < head_dim; offset += wide)
+      weighted_sum<8>(p, len, value_at, out, offset);
+    return true;
   }
+  if (head_dim % narrow == 0) {
+    for (int64_t offset = 0; offset < head_dim; offset += narrow)
+      weighted_sum<4>(p, len, value_at, out, offset);
+    return true;
+  }
+  return false;
 }
-#endif
 
 }  // namespace
 
@@ -127,9 +126,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
   const int64_t token_stride = num_kv_heads * head_dim;
   const float fscale = static_cast<float>(scale);
   const auto score = [head_dim](const float* a, const float* b) {
-#ifdef __AVX512F__
-    if (head_dim % 16 == 0) return dot16(a, b, head_dim);
-#endif
+    if (head_dim % simd::kLanes == 0) return dot_lanes(a, b, head_dim);
     return dot(a, b, head_dim);
   };
 
@@ -150,7 +147,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
       }
       for (int64_t g = 0; g < group; ++g) softmax_(scores.data() + g * len, len);
       float* out_seq = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
-#ifdef __AVX512F__
       const auto value_at = [&](int64_t t) {
         const int64_t block = table_ptr[seq * max_blocks + t / block_size];
         return v_ptr + (block * block_size + t % block_size) * token_stride + kv_head * head_dim;
@@ -160,7 +156,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
         done = weighted_sum_fast(scores.data() + g * len, len, value_at, out_seq + g * head_dim,
                                  head_dim);
       if (done) continue;
-#endif
       for (int64_t t = 0; t < len; ++t) {  // out = p . v
         const int64_t block = table_ptr[seq * max_blocks + t / block_size];
         const float* value = v_ptr + (block * block_size + t % block_size) * token_stride +
@@ -179,6 +174,7 @@ void register_small_gemm(pybind11::module& m);     // small_gemm.cpp
 void register_block_gemm(pybind11::module& m);     // block_gemm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = simd::kIsa;
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32)");
   register_layer_kernels(m);

@@ -1,0 +1,191 @@
+// The vector operations ember's kernels are written in, for the instruction set this
+// copy of the kernels is compiled for. The kernels are built once per ISA, each with its
+// own flags (ember/engine/kernels/__init__.py: x86-64-v4 for AVX-512, x86-64-v3 for
+// AVX2+FMA+F16C, the compiler's baseline for `generic`), and the one the CPU runs is
+// picked at run time; nothing here may assume more than its own block's macros promise.
+//
+//   AVX-512   16 lanes, __m512, SLEEF's 16-lane expf (torch exports it)
+//   AVX2       8 lanes, __m256, SLEEF's 8-lane AVX2 expf
+//   generic    8 lanes, the compiler's vector extensions (SSE2 on x86-64, NEON on ARM)
+//
+// A kernel written against `vf` with kLanes-wide chunks, one accumulator per output and
+// k in order, computes the same sums on every path up to the fused multiply-add: AVX-512
+// and AVX2 fuse, the generic path fuses only where its target has an FMA instruction.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#include <sleef.h>  // torch's copy; libtorch_cpu exports the functions
+#endif
+
+namespace simd {
+
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+constexpr int kLanes = 16;
+using vf = __m512;
+
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float v) { return _mm512_set1_ps(v); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+// bf16 is the top half of a float32: widen each 16-bit lane and shift it up
+inline vf load(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf exp(vf v) { return Sleef_expf16_u10(v); }
+
+// kLanes bytes -> kLanes floats: unsigned, signed, low and high nibbles
+inline __m512i bytes_u(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf from_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(bytes_u(p)); }
+inline vf from_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf low_nibbles(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(bytes_u(p), _mm512_set1_epi32(0x0F)));
+}
+inline vf high_nibbles(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes_u(p), 4));
+}
+// both of the above from one load
+inline void nibbles(const uint8_t* p, vf& low, vf& high) {
+  const __m512i q = bytes_u(p);
+  low = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
+  high = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+}
+
+#elif defined(__AVX2__)
+constexpr const char* kIsa = "avx2";
+constexpr int kLanes = 8;
+using vf = __m256;
+
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float v) { return _mm256_set1_ps(v); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf load(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float reduce_add(vf v) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+inline vf exp(vf v) { return Sleef_expf8_u10avx2(v); }
+
+inline __m256i bytes_u(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf from_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(bytes_u(p)); }
+inline vf from_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf low_nibbles(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(bytes_u(p), _mm256_set1_epi32(0x0F)));
+}
+inline vf high_nibbles(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes_u(p), 4));
+}
+inline void nibbles(const uint8_t* p, vf& low, vf& high) {
+  const __m256i q = bytes_u(p);
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
+  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+}
+
+#else
+constexpr const char* kIsa = "generic";
+constexpr int kLanes = 8;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint8_t vb __attribute__((vector_size(kLanes)));
+typedef int8_t vsb __attribute__((vector_size(kLanes)));
+
+inline vf zero() { return vf{}; }
+inline vf set1(float v) { return vf{} + v; }
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf load(const c10::BFloat16* p) {
+  uint16_t bits[kLanes];
+  std::memcpy(bits, p, sizeof(bits));
+  vi wide;
+  for (int i = 0; i < kLanes; ++i) wide[i] = static_cast<int32_t>(bits[i]) << 16;
+  vf v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf add(vf a, vf b) { return a + b; }
+inline vf sub(vf a, vf b) { return a - b; }
+inline vf mul(vf a, vf b) { return a * b; }
+inline vf fma(vf a, vf b, vf c) { return a * b + c; }
+inline float reduce_add(vf v) {  // pairwise, as the x86 paths reduce
+  float four[4];
+  for (int i = 0; i < 4; ++i) four[i] = v[i] + v[i + 4];
+  return (four[0] + four[2]) + (four[1] + four[3]);
+}
+inline vf exp(vf v) {
+  for (int i = 0; i < kLanes; ++i) v[i] = std::exp(v[i]);
+  return v;
+}
+
+inline vb bytes(const uint8_t* p) {
+  vb b;
+  std::memcpy(&b, p, sizeof(b));
+  return b;
+}
+inline vf from_u8(const uint8_t* p) { return __builtin_convertvector(bytes(p), vf); }
+inline vf from_i8(const int8_t* p) {
+  vsb b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vf);
+}
+inline vf low_nibbles(const uint8_t* p) {
+  return __builtin_convertvector(bytes(p) & static_cast<uint8_t>(0x0F), vf);
+}
+inline vf high_nibbles(const uint8_t* p) {
+  return __builtin_convertvector(bytes(p) >> 4, vf);
+}
+inline void nibbles(const uint8_t* p, vf& low, vf& high) {
+  const vb q = bytes(p);
+  low = __builtin_convertvector(q & static_cast<uint8_t>(0x0F), vf);
+  high = __builtin_convertvector(q >> 4, vf);
+}
+#endif
+
+// An fp16 field of a quantized block (its scale or minimum), as float32.
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+}  // namespace simd
