@@ -63,6 +63,18 @@ def test_chunked_prefill_matches_transformers(tiny_checkpoint, arch):
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_step_budget_chunks_match_transformers(tiny_checkpoint, arch):
+    # a budget no step meets: while sequences decode, prefill moves by the floor's 5 tokens
+    path = tiny_checkpoint(arch)
+    _, expected = hf_reference(path, arch)
+    options = dict(max_num_batched_tokens=64, max_num_seqs=2, max_step_ms=1e-3)
+    llm = LLM(str(path), **options, min_prefill_tokens=5, **SMALL_KV)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    stats = llm.engine.core.step_stats
+    assert stats.num_capped > 10 and stats.last_prefill_cap == 5
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_hit_matches_transformers(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
