@@ -116,7 +116,7 @@ def test_without_decodes_a_prompt_takes_the_whole_token_budget():
 
 
 def test_with_decodes_running_the_chunk_shrinks_to_fit_the_step_budget():
-    scheduler = budget_scheduler(20.0)
+    scheduler = budget_scheduler(30.0)
     runner = FakeRunner(scheduler)
     for i in range(4):
         scheduler.add(make_request(f"d{i}", tokens(10 * i, 5), max_tokens=50))
@@ -126,10 +126,10 @@ def test_with_decodes_running_the_chunk_shrinks_to_fit_the_step_budget():
     for _ in range(3):
         start = scheduler.requests["p"].num_computed_tokens
         out = scheduler.schedule()
-        expected = model.max_prefill_tokens(4, start, 20.0, limit=512 - 4)
+        expected = model.max_prefill_tokens(4, start, 30.0, limit=512 - 4)
         assert scheduled_tokens(out) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "p": expected}
         assert out.prefill_cap == expected and 16 < expected < 508
-        assert model.predict_ms(out.shape()) <= 20.0
+        assert model.predict_ms(out.shape()) <= 30.0
         runner.execute(out)
     # the same step without a budget fills max_num_batched_tokens
     scheduler.max_step_ms = 0.0
@@ -137,8 +137,12 @@ def test_with_decodes_running_the_chunk_shrinks_to_fit_the_step_budget():
     assert scheduled_tokens(out)["p"] == 508 and out.prefill_cap is None
 
 
-def test_prefill_keeps_a_floor_when_even_the_decodes_exceed_the_budget():
-    scheduler = budget_scheduler(1.0, min_prefill_tokens=8)
+# a cost model in which any prefill token blows the budget: only the floor is left
+EXPENSIVE = StepCoefficients(base=1.0, per_prefill_token=1e6, per_decode_row=0.1, per_attention=1.0)
+
+
+def test_prefill_keeps_a_floor_when_no_chunk_fits():
+    scheduler = budget_scheduler(100.0, EXPENSIVE, min_prefill_tokens=8)
     runner = FakeRunner(scheduler)
     scheduler.add(make_request("d", tokens(0, 5), max_tokens=50))
     runner.step()
@@ -147,8 +151,16 @@ def test_prefill_keeps_a_floor_when_even_the_decodes_exceed_the_budget():
     assert chunks == [8, 8, 8, 6]  # the last samples p's first token
 
 
-# a cost model in which any prefill token blows the budget: only the floor is left
-EXPENSIVE = StepCoefficients(base=1.0, per_prefill_token=1e6, per_decode_row=0.1, per_attention=1.0)
+def test_on_a_box_too_slow_for_the_budget_prefill_gets_as_long_as_the_decodes():
+    scheduler = budget_scheduler(1.0)  # decodes alone take 8.6 ms
+    runner = FakeRunner(scheduler)
+    scheduler.add(make_request("d", tokens(0, 5), max_tokens=50))
+    runner.step()
+    scheduler.add(make_request("p", tokens(100, 1000)))
+    out = scheduler.schedule()
+    decode_ms = scheduler.cost_model.predict_ms(StepShape(num_decode_rows=1))
+    assert 16 < out.prefill_cap < 511
+    assert scheduler.cost_model.predict_ms(out.shape()) <= 2 * decode_ms
 
 
 @st.composite

@@ -7,8 +7,9 @@ KV cache allow. A prefix-cache hit simply admits a request with tokens already c
 
 Decodes (requests computing one token) are always scheduled; while any run, the tokens
 of prefill chunks are capped so that the step's predicted time (`StepCostModel`) stays
-within `max_step_ms`, but never below `min_prefill_tokens`, so prompts keep moving. With
-no decodes running, or `max_step_ms` 0, prefill takes the whole `max_num_batched_tokens`.
+within `max_step_ms` (or twice the decodes' own time, where they alone come near it), but
+never below `min_prefill_tokens`, so prompts keep moving. With no decodes running, or
+`max_step_ms` 0, prefill takes the whole `max_num_batched_tokens`.
 When a running request cannot get a block, the most recently admitted running request
 is preempted (its blocks freed, to be recomputed later); the oldest request always
 makes progress, so there is neither deadlock nor starvation.
@@ -177,9 +178,10 @@ class Scheduler:
         num_prefill = max(self.max_num_batched_tokens - num_decodes, 0)
         if num_decodes and self.max_step_ms > 0 and (chunked or self.waiting):
             start = chunked[0].num_computed_tokens if chunked else 0
-            cap = self.cost_model.max_prefill_tokens(
-                num_decodes, start, self.max_step_ms, num_prefill
-            )
+            # a box too slow for the budget: prefill still gets as long as the decodes
+            decode_ms = self.cost_model.predict_ms(StepShape(num_decode_rows=num_decodes))
+            max_ms = max(self.max_step_ms, 2 * decode_ms)
+            cap = self.cost_model.max_prefill_tokens(num_decodes, start, max_ms, num_prefill)
             if cap < num_prefill:
                 out.prefill_cap = num_prefill = max(cap, min(self.min_prefill_tokens, num_prefill))
         return _Budget(self.max_num_batched_tokens, num_prefill)
