@@ -61,6 +61,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.max_num_seqs,
         help="sequences per step (default %(default)s)",
     )
+    parser.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=d.max_step_ms,
+        help="step budget: while sequences decode, shrink prefill chunks so that a step is "
+        "predicted (from the steps timed so far) to take at most this long, which bounds "
+        "inter-token latency; 0 turns it off (default %(default)s)",
+    )
+    parser.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=d.min_prefill_tokens,
+        help="the step budget never cuts a step's prefill below this (default %(default)s)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument(
         "--attention-backend",
@@ -160,6 +174,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_step_ms=args.max_step_ms,
+        min_prefill_tokens=args.min_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         matmul_precision=args.matmul_precision,

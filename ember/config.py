@@ -113,6 +113,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    # the step budget: while decodes run, prefill chunks shrink so that a step's predicted
+    # time stays within max_step_ms (0: off, chunks fill max_num_batched_tokens), but
+    # never below min_prefill_tokens, so long prompts keep moving
+    max_step_ms: float = 100.0
+    min_prefill_tokens: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
     # fp32 matmuls of prefill-sized batches on CPU: "ieee" (exact) or "bf16" (oneDNN may
@@ -136,6 +141,9 @@ class EngineConfig:
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("min_prefill_tokens", self.min_prefill_tokens)
+        if not self.max_step_ms >= 0:
+            raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms!r}")
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
         if self.max_model_len is not None:

@@ -10,6 +10,7 @@ from conftest import ARCHS
 from ember import LLM, SamplingParams
 from ember.engine.model_runner import profile_batch
 from ember.engine.request import Request
+from ember.engine.step_cost import StepCoefficients, StepCostModel
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -61,6 +62,22 @@ def test_chunked_prefill_matches_transformers(tiny_checkpoint, arch):
     _, expected = hf_reference(path, arch)
     llm = LLM(str(path), max_num_batched_tokens=24, **SMALL_KV)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_step_budget_chunks_match_transformers(tiny_checkpoint, arch):
+    # prefill tokens made too dear for any chunk: while sequences decode, prefill moves
+    # by the floor's 5 tokens
+    path = tiny_checkpoint(arch)
+    _, expected = hf_reference(path, arch)
+    options = dict(max_num_batched_tokens=64, max_num_seqs=2, min_prefill_tokens=5)
+    llm = LLM(str(path), **options, **SMALL_KV)
+    dear = StepCoefficients(base=1.0, per_prefill_token=1e6)
+    core = llm.engine.core
+    core.step_cost = core.scheduler.cost_model = StepCostModel(dear, prior_weight=1e12)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    stats = llm.engine.core.step_stats
+    assert stats.num_capped > 10 and stats.last_prefill_cap == 5
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -302,6 +302,9 @@ def test_load_and_metrics(server, client):
     assert (
         after[("ember_requests_total", "length")] - before[("ember_requests_total", "length")] == 1
     )
+    # one step per token (a prefill, then decodes), each timed
+    assert after[("ember_engine_steps", None)] - before[("ember_engine_steps", None)] == 5
+    assert after[("ember_engine_step_seconds", None)] > before[("ember_engine_step_seconds", None)]
     assert (
         after[("ember_time_to_first_token_seconds_count", None)]
         > before[("ember_time_to_first_token_seconds_count", None)]

@@ -22,6 +22,7 @@ from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineSta
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
+from ember.engine.step_cost import StepCostModel, StepShape
 from ember.engine.structured_output import GrammarCompiler, GrammarMatcher
 from ember.kv.connector import KVConnectorScheduler, KVConnectorWorker
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
@@ -54,13 +55,18 @@ class EngineCore:
         except BaseException:
             self.runner.free_kv_cache()  # no shared-memory file left behind
             raise
+        self.step_cost = StepCostModel()
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             self.max_model_len,
             self.connector,
+            cost_model=self.step_cost,
+            max_step_ms=config.max_step_ms,
+            min_prefill_tokens=config.min_prefill_tokens,
         )
+        self.step_stats = StepStats()
         self.checkpoint = checkpoint
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -198,9 +204,12 @@ class EngineCore:
         return self.connector.num_held > 0
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.empty:
             return []
+        shape = sched_out.shape()
+        predicted_ms = self.step_cost.predict_ms(shape)
         step = self.runner.execute(sched_out)
         for sched in sched_out.scheduled:
             if (more := step.prompt_logprobs.get(sched.request.request_id)) is not None:
@@ -208,6 +217,9 @@ class EngineCore:
         sampled = dict(zip(step.request_ids, step.sampled.token_ids, strict=True))
         logprobs = dict(zip(step.request_ids, step.sampled.logprobs, strict=True))
         updated, _ = self.scheduler.update(sched_out, sampled)
+        measured_ms = (time.perf_counter() - start) * 1e3
+        self.step_cost.observe(shape, measured_ms)
+        self.step_stats.record(sched_out.prefill_cap, shape, predicted_ms, measured_ms)
         outputs = []
         for update in updated:
             request = update.request
@@ -253,7 +265,40 @@ class EngineCore:
             kv_held=kv.num_held,
             kv_holds_expired=kv.stats.holds_expired,
             kv_bytes_sent=kv.worker.server.num_bytes_sent if kv.worker.server else 0,
+            num_steps=self.step_stats.num_steps,
+            step_seconds=self.step_stats.measured_ms / 1e3,
+            step_predicted_seconds=self.step_stats.predicted_ms / 1e3,
+            step_error_seconds=self.step_stats.error_ms / 1e3,
+            num_capped_steps=self.step_stats.num_capped,
+            last_prefill_cap=self.step_stats.last_prefill_cap,
         )
+
+
+class StepStats:
+    """Step times since start (predicted, measured) and the step budget's chunk caps."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.measured_ms = self.predicted_ms = self.error_ms = 0.0
+        self.num_capped = 0
+        self.last_prefill_cap = 0  # of the last step the budget capped
+
+    def record(
+        self, prefill_cap: int | None, shape: StepShape, predicted_ms: float, measured_ms: float
+    ) -> None:
+        self.num_steps += 1
+        self.measured_ms += measured_ms
+        self.predicted_ms += predicted_ms
+        self.error_ms += abs(measured_ms - predicted_ms)
+        if prefill_cap is not None:
+            self.num_capped += 1
+            self.last_prefill_cap = prefill_cap
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "step: %d decodes, %d prefill tokens (cap %s): predicted %.1f ms, took %.1f ms",
+                shape.num_decode_rows, shape.num_prefill_tokens, prefill_cap,
+                predicted_ms, measured_ms,
+            )  # fmt: skip
 
 
 def _queue_time(request: Request) -> float | None:

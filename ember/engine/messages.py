@@ -75,6 +75,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_held: int = 0  # finished prefills whose blocks wait for a decode worker
     kv_holds_expired: int = 0  # never fetched within kv_hold_timeout
     kv_bytes_sent: int = 0
+    num_steps: int = 0  # model steps since start
+    step_seconds: float = 0.0  # their measured durations, summed
+    step_predicted_seconds: float = 0.0  # the step cost model's predictions of them, summed
+    step_error_seconds: float = 0.0  # |measured - predicted|, summed
+    num_capped_steps: int = 0  # steps whose prefill chunk the step budget (max_step_ms) shrank
+    last_prefill_cap: int = 0  # the prefill tokens it allowed, the last time it did
 
 
 class RequestError(msgspec.Struct):

@@ -4,6 +4,12 @@ Each step the scheduler decides how many tokens of each request to compute:
 running requests first (decodes and unfinished prefill chunks, in admission order),
 then waiting requests in arrival order (FCFS) while the budget, `max_num_seqs` and the
 KV cache allow. A prefix-cache hit simply admits a request with tokens already computed.
+
+Decodes (requests computing one token) are always scheduled; while any run, the tokens
+of prefill chunks are capped so that the step's predicted time (`StepCostModel`) stays
+within `max_step_ms` (or twice the decodes' own time, where they alone come near it), but
+never below `min_prefill_tokens`, so prompts keep moving. With no decodes running, or
+`max_step_ms` 0, prefill takes the whole `max_num_batched_tokens`.
 When a running request cannot get a block, the most recently admitted running request
 is preempted (its blocks freed, to be recomputed later); the oldest request always
 makes progress, so there is neither deadlock nor starvation.
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
+from ember.engine.step_cost import StepCostModel, StepShape
 
 if TYPE_CHECKING:
     from ember.kv.connector import KVConnectorScheduler
@@ -44,14 +51,45 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    prefill_cap: int | None = None  # the step budget's cap on prefill tokens, if it set one
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    def shape(self) -> StepShape:
+        """The step's work for the cost model (read before `Scheduler.update`)."""
+        chunks = [s for s in self.scheduled if s.num_new_tokens > 1]
+        return StepShape(
+            num_prefill_tokens=sum(s.num_new_tokens for s in chunks),
+            num_decode_rows=len(self.scheduled) - len(chunks),
+            num_attention_pairs=sum(
+                StepShape.chunk_pairs(s.request.num_computed_tokens, s.num_new_tokens)
+                for s in chunks
+            ),
+        )
+
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class _Budget:
+    """What is left of one step's tokens; `num_prefill_tokens` of them for requests that
+    compute more than one token (the rest are kept for the step's decodes)."""
+
+    num_tokens: int
+    num_prefill_tokens: int
+
+    def take(self, num_left: int) -> int:
+        """Tokens for a request with `num_left` to compute; 0: none this step."""
+        num_new = min(num_left, self.num_tokens)
+        if num_new > 1:
+            num_new = min(num_new, self.num_prefill_tokens)
+            self.num_prefill_tokens -= num_new
+        self.num_tokens -= num_new
+        return num_new
 
 
 @dataclass
@@ -75,9 +113,15 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
+        cost_model: StepCostModel | None = None,
+        max_step_ms: float = 0.0,
+        min_prefill_tokens: int = 1,
     ) -> None:
         self.kv_cache = kv_cache
         self.connector = connector
+        self.cost_model = cost_model
+        self.max_step_ms = max_step_ms if cost_model is not None else 0.0  # 0: no step budget
+        self.min_prefill_tokens = min_prefill_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -120,32 +164,50 @@ class Scheduler:
             for key in self.connector.collect():
                 self.kv_cache.release_held(key)
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._budget(out)
+        self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _budget(self, out: SchedulerOutput) -> _Budget:
+        """This step's tokens: one for every decode, the rest for prefill chunks, which the
+        step budget caps while decodes run (never below `min_prefill_tokens`)."""
+        chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        num_decodes = len(self.running) - len(chunked)
+        num_prefill = max(self.max_num_batched_tokens - num_decodes, 0)
+        if num_decodes and self.max_step_ms > 0 and (chunked or self.waiting):
+            start = chunked[0].num_computed_tokens if chunked else 0
+            # a box too slow for the budget: prefill still gets as long as the decodes
+            decode_ms = self.cost_model.predict_ms(StepShape(num_decode_rows=num_decodes))
+            max_ms = max(self.max_step_ms, 2 * decode_ms)
+            cap = self.cost_model.max_prefill_tokens(num_decodes, start, max_ms, num_prefill)
+            if cap < num_prefill:
+                out.prefill_cap = num_prefill = max(cap, min(self.min_prefill_tokens, num_prefill))
+        return _Budget(self.max_num_batched_tokens, num_prefill)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.num_tokens > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = budget.take(request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:  # a prefill chunk, when the step has no room for more
+                i += 1
+                continue
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
-                    return budget
+                    return
             out.scheduled.append(
                 ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
             )
-            budget -= num_new
             i += 1
-        return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and self._num_admitted < self.max_num_seqs:
+        while self.waiting and budget.num_tokens > 0 and self._num_admitted < self.max_num_seqs:
             request = self.waiting.popleft()
             if request.wait_for is not None and not request.wait_for.prefill_done:
                 deferred.append(request)  # n > 1: share the sibling's prompt blocks
@@ -161,8 +223,8 @@ class Scheduler:
                 continue
             if self.connector is not None:
                 self.connector.release_unused(request)  # nothing (more) to load
-            num_new = min(request.num_tokens - num_hit, budget)
-            if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+            num_new = budget.take(request.num_tokens - num_hit)
+            if num_new == 0 or self.kv_cache.allocate_slots(request, num_new, hits) is None:
                 self.waiting.appendleft(request)
                 break
             self._admit(request, num_hit)
@@ -171,7 +233,6 @@ class Scheduler:
             out.scheduled.append(
                 ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
             )
-            budget -= num_new
         self.waiting.extendleft(reversed(deferred))
 
     @property

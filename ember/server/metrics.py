@@ -68,6 +68,21 @@ class ServerMetrics:
             "ember_kv_transfers_held", "Finished prefills whose blocks wait for a decode worker.",
             labels, registry=r,
         )  # fmt: skip
+        self.steps = Gauge("ember_engine_steps", "Model steps, since start.", labels, registry=r)
+        self.step_seconds = Gauge(
+            "ember_engine_step_seconds", "Model steps' durations, measured and as the step "
+            "cost model predicted them (and |measured - predicted|), summed since start.",
+            ["model_name", "kind"], registry=r,
+        )  # fmt: skip
+        self.capped_steps = Gauge(
+            "ember_engine_step_budget_capped_steps", "Steps whose prefill chunk the step "
+            "budget (--max-step-ms) shrank so that running decodes stay fast, since start.",
+            labels, registry=r,
+        )  # fmt: skip
+        self.prefill_cap = Gauge(
+            "ember_engine_step_budget_prefill_tokens", "The prefill tokens the step budget "
+            "allowed the last step it shrank.", labels, registry=r,
+        )  # fmt: skip
         self.model_name = model_name
 
     def timer(self) -> RequestTimer:
@@ -84,6 +99,12 @@ class ServerMetrics:
         self.kv_bytes.labels(name, "received").set(stats.kv_bytes_received)
         self.kv_bytes.labels(name, "sent").set(stats.kv_bytes_sent)
         self.kv_held.labels(name).set(stats.kv_held)
+        self.steps.labels(name).set(stats.num_steps)
+        self.step_seconds.labels(name, "measured").set(stats.step_seconds)
+        self.step_seconds.labels(name, "predicted").set(stats.step_predicted_seconds)
+        self.step_seconds.labels(name, "error").set(stats.step_error_seconds)
+        self.capped_steps.labels(name).set(stats.num_capped_steps)
+        self.prefill_cap.labels(name).set(stats.last_prefill_cap)
         return generate_latest(self.registry)
 
 
