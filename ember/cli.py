@@ -276,9 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     offline = bench_sub.add_parser("offline", help="engine throughput, no HTTP")
     add_engine_args(offline)
-    from ember.bench.offline import add_offline_args
-
-    add_offline_args(offline)
+    commands.add_offline_args(offline)
     offline.set_defaults(func=cmd_bench)
 
     startup = bench_sub.add_parser(

@@ -1,4 +1,5 @@
-"""The `ember bench serve` and `ember bench compare` commands (arguments and entry points)."""
+"""The `ember bench` commands' arguments, and the entry points of `serve` and `compare`
+(`offline` runs in `offline.py`, `startup` in `startup.py`)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the full result as JSON")
     p.add_argument("--plot", default=None, help="draw TTFT/ITL CDFs and TTFT by turn (PNG)")
     p.add_argument("--no-progress", action="store_true")
+
+
+def add_offline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
+    parser.add_argument("--compare-hf", action="store_true", help="also time transformers.generate")
+    parser.add_argument("--skip-throughput", action="store_true", help="only latency scenarios")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each latency scenario")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
 
 
 def parse_slo(text: str | None) -> dict[str, float]:

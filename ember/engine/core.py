@@ -17,12 +17,12 @@ import torch
 
 from ember import envs
 from ember.config import EngineConfig, ModelConfig
+from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
-from ember.engine.structured_output import GrammarCompiler, GrammarMatcher
 from ember.kv.connector import KVConnectorScheduler, KVConnectorWorker
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
 
