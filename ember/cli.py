@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ember import envs
+from ember import envs, startup
 from ember.units import parse_bytes
 
 
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(serve)
     add_kv_args(serve)
-    from ember.server.run import add_server_args
+    from ember.server.args import add_server_args
 
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     offline.set_defaults(func=cmd_bench)
 
     startup = bench_sub.add_parser(
-        "startup", help="cold start: process start to first token, against the disk's speed"
+        "startup",
+        help="cold start of `ember serve`: spawn to ready to first chat completion, by phase",
     )
     from ember.bench.startup import add_startup_args, run_startup
 
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
     args = build_parser().parse_args(argv)
+    startup.mark("args")
     try:
         return args.func(args)
     except ValueError as exc:

@@ -102,6 +102,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
 class EngineReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     num_kv_blocks: int
+    startup: list[tuple[str, float, float]] = []  # the core's start-up phases (`ember.startup`)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

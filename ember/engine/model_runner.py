@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember import startup
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
@@ -70,7 +71,13 @@ class ModelRunner:
                 model = model_cls(self.model_config, backend, max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
+        startup.mark("model built")  # with the CPU kernels loaded (the attention backend)
+        self._load_weights(model, checkpoint)
+        return model.eval()
+
+    def _load_weights(self, model: torch.nn.Module, checkpoint: Checkpoint) -> None:
         model.load_weights(checkpoint.weights())
+        startup.mark("weights")
         if can_pack_for_cpu(self.device, self.dtype):
             if self.config.gguf_blocks and self.weight_dtype == torch.float32:
                 model.load_gguf_blocks(checkpoint.gguf_blocks())
@@ -79,11 +86,11 @@ class ModelRunner:
                 weight_dtype=self.weight_dtype,
             )
             _log_block_decode(model)
+            startup.mark("packed")
         elif self.weight_dtype != self.dtype:
             raise ValueError(
                 f"dtype {self.weight_dtype} on CPU needs oneDNN (torch.backends.mkldnn)"
             )
-        return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import time
 
 import httpx
 
-from ember.server.run import access_of, add_access_args, add_parser_args, add_queue_args
+from ember.server.args import access_of, add_access_args, add_parser_args, add_queue_args
 
 logger = logging.getLogger("ember.router")
 
