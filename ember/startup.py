@@ -23,6 +23,7 @@ import time
 Mark = tuple[str, float, float]  # (phase, wall-clock end, CPU seconds used by then)
 
 _marks: list[Mark] = []
+_IMPORTED = time.time()
 
 
 def process_start_time() -> float:
@@ -35,9 +36,6 @@ def process_start_time() -> float:
         return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot)
     except (OSError, ValueError, IndexError, AttributeError):
         return _IMPORTED
-
-
-_IMPORTED = time.time()
 
 
 def mark(phase: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -51,7 +52,7 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
             log_level="info",
             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
         )
-        started = lambda: _report_startup(app.state.metrics, llm.core_startup)  # noqa: E731
+        started = functools.partial(_report_startup, app.state.metrics, llm.core_startup)
         server = _Server(config, llm, args.shutdown_timeout, started)
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)
         server.run()
