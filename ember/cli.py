@@ -213,6 +213,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_offline(args)
 
 
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    from ember.bench.startup import run_startup
+
+    return run_startup(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Serve LLMs to agentic workloads.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -279,14 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_offline_args(offline)
     offline.set_defaults(func=cmd_bench)
 
-    startup = bench_sub.add_parser(
+    startup_bench = bench_sub.add_parser(
         "startup",
         help="cold start of `ember serve`: spawn to ready to first chat completion, by phase",
     )
-    from ember.bench.startup import add_startup_args, run_startup
-
-    add_startup_args(startup)
-    startup.set_defaults(func=run_startup)
+    commands.add_startup_args(startup_bench)
+    startup_bench.set_defaults(func=cmd_bench_startup)
 
     compare = bench_sub.add_parser("compare", help="runs side by side, with ratios")
     commands.add_compare_args(compare)

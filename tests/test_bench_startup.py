@@ -8,7 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from ember.bench.startup import add_startup_args, run_startup
+from ember.bench.commands import add_startup_args
+from ember.bench.startup import run_startup
 
 KEYS = {
     "model",

@@ -59,29 +59,6 @@ CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
 PHASE_METRICS = {"ember_startup_seconds": "at_s", "ember_startup_cpu_seconds": "cpu_s"}
 
 
-def add_startup_args(parser: argparse.ArgumentParser) -> None:
-    from ember.cli import add_model_arg
-
-    add_model_arg(parser)
-    parser.add_argument(
-        "--port", type=int, default=0, help="port for `ember serve` (default: a free one per run)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="cold starts to time (default 3)")
-    parser.add_argument(
-        "--warm",
-        action="store_true",
-        help="leave the weights in the page cache (default: evict them before each run, "
-        "posix_fadvise DONTNEED)",
-    )
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument(
-        "--serve-arg",
-        action="append",
-        default=[],
-        help="extra argument for `ember serve` (repeatable), e.g. --serve-arg=--kv-cache-memory=64M",
-    )
-
-
 def evict(files: list[Path]) -> bool:
     """Asks the kernel to drop `files` from the page cache; False if it refused.
 
