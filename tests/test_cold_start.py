@@ -60,9 +60,17 @@ def test_a_new_pool_holds_no_memory_until_a_block_is_written(shm):
         buffers.remove_shm(path)
 
 
-def test_an_engine_starts_without_touching_its_pool_and_still_generates(tiny_checkpoint):
+@pytest.mark.parametrize("role", ["mixed", "prefill"])  # prefill: the pool is a /dev/shm file
+def test_an_engine_starts_without_touching_its_pool_and_still_generates(
+    tiny_checkpoint, monkeypatch, role
+):
+    monkeypatch.setenv("EMBER_CLUSTER_SECRET", "test-secret")
     config = EngineConfig(
-        model=str(tiny_checkpoint("llama")), kv_cache_memory=POOL_BYTES, max_model_len=256
+        model=str(tiny_checkpoint("llama")),
+        kv_cache_memory=POOL_BYTES,
+        max_model_len=256,
+        kv_role=role,
+        device="cpu",
     )
     core = EngineCore.from_config(config)
     try:
@@ -70,6 +78,10 @@ def test_an_engine_starts_without_touching_its_pool_and_still_generates(tiny_che
         pool = sum(t.numel() * t.element_size() for t in kv)
         assert pool >= POOL_BYTES * 0.9
         assert resident_bytes(kv) == 0
+        shm_path = core.runner.kv_shm_path
+        assert (shm_path is not None) == (role == "prefill")
+        if shm_path is not None:
+            assert os.stat(shm_path).st_blocks == 0
 
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         core.add_request(EngineCoreRequest("a", list(range(5, 45)), params, 8, []))
