@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ember import envs
+from ember import envs, startup
 from ember.units import parse_bytes
 
 
@@ -229,6 +229,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_offline(args)
 
 
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    from ember.bench.startup import run_startup
+
+    return run_startup(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Serve LLMs to agentic workloads.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -253,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(serve)
     add_kv_args(serve)
-    from ember.server.run import add_server_args
+    from ember.server.args import add_server_args
 
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -292,18 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     offline = bench_sub.add_parser("offline", help="engine throughput, no HTTP")
     add_engine_args(offline)
-    from ember.bench.offline import add_offline_args
-
-    add_offline_args(offline)
+    commands.add_offline_args(offline)
     offline.set_defaults(func=cmd_bench)
 
-    startup = bench_sub.add_parser(
-        "startup", help="cold start: process start to first token, against the disk's speed"
+    startup_bench = bench_sub.add_parser(
+        "startup",
+        help="cold start of `ember serve`: spawn to ready to first chat completion, by phase",
     )
-    from ember.bench.startup import add_startup_args, run_startup
-
-    add_startup_args(startup)
-    startup.set_defaults(func=run_startup)
+    commands.add_startup_args(startup_bench)
+    startup_bench.set_defaults(func=cmd_bench_startup)
 
     compare = bench_sub.add_parser("compare", help="runs side by side, with ratios")
     commands.add_compare_args(compare)
@@ -317,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
     args = build_parser().parse_args(argv)
+    startup.mark("args")
     try:
         return args.func(args)
     except ValueError as exc:

@@ -4,14 +4,18 @@
 (transformers 4.x or 5.x layout). `EngineConfig` holds the engine options a user sets;
 values discovered at run time (the number of KV blocks, the device actually used) are
 returned by the components that find them, never written back here.
+
+torch is imported only by the methods that resolve a device or dtype: the API process
+reads these configs too, and does without torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -178,18 +182,22 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
-        if self.kv_role != "mixed" and self.resolve_device().type != "cpu":
+        if self.kv_role != "mixed" and self.device != "cpu" and self.resolve_device().type != "cpu":
             raise ValueError(
                 f"kv_role {self.kv_role}: KV transfers move blocks through host memory, so "
                 "disaggregated workers run on CPU for now; pass device cpu"
             )
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)

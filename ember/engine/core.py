@@ -15,15 +15,15 @@ import time
 
 import torch
 
-from ember import envs
+from ember import envs, startup
 from ember.config import EngineConfig, ModelConfig
+from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_cost import StepCostModel, StepShape
-from ember.engine.structured_output import GrammarCompiler, GrammarMatcher
 from ember.kv.connector import KVConnectorScheduler, KVConnectorWorker
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
 
@@ -49,6 +49,7 @@ class EngineCore:
             )
         # a prefill worker's KV lives in shared memory, for decode workers on its host
         self.runner.allocate_kv_cache(num_blocks, shared=config.kv_role == "prefill")
+        startup.mark("kv cache")
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         try:
             self.connector = self._make_connector(config)
@@ -94,12 +95,13 @@ class EngineCore:
         self.runner.free_kv_cache()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> EngineCore:
-        """Opens the checkpoint `config.model` names (fetching the default model if needed)."""
+    def from_config(cls, config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineCore:
+        """Loads `checkpoint`, by default the one `config.model` names (fetching the
+        default model if needed)."""
         from ember.loader.default_models import resolve_model
 
         torch.manual_seed(config.seed)
-        checkpoint = open_checkpoint(resolve_model(config.model))
+        checkpoint = checkpoint or open_checkpoint(resolve_model(config.model))
         return cls(config, ModelConfig.from_hf(checkpoint.hf_config), checkpoint)
 
     def add_request(self, core_request: EngineCoreRequest) -> None:

@@ -68,6 +68,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+        self.config = config
         remove_stale_socket_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self._context = zmq.Context()

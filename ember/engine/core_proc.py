@@ -22,7 +22,7 @@ import sys
 import msgspec
 import zmq
 
-from ember import envs
+from ember import envs, startup
 from ember.config import EngineConfig
 from ember.engine.messages import (
     AbortRequests,
@@ -129,13 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ember.engine.core import EngineCore
 
+        startup.mark("imports")
         config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
         core = EngineCore.from_config(config)
         proc = EngineCoreProc(core, input_socket, output_socket)
         signal.signal(signal.SIGTERM, lambda *_: setattr(proc, "stopping", True))
-        output_socket.send(
-            encoder.encode(EngineReady(core.max_model_len, core.kv_cache.num_blocks))
-        )
+        startup.mark("ready")
+        ready = EngineReady(core.max_model_len, core.kv_cache.num_blocks, startup.marks())
+        output_socket.send(encoder.encode(ready))
         try:
             proc.run(parent_pid)
         finally:

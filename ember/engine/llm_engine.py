@@ -8,12 +8,14 @@ RequestOutputs it changed, `abort_request` ends a request at any moment.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineStats
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.processor import InputProcessor, ProcessedPrompt
+from ember.loader.checkpoint import open_checkpoint
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 
@@ -22,10 +24,15 @@ logger = logging.getLogger("ember.engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore.from_config(config)
-        self.checkpoint = self.core.checkpoint
+        from ember.loader.default_models import resolve_model
+
+        self.checkpoint = open_checkpoint(resolve_model(config.model))
+        # the tokenizer (mostly Python) loads while the weights (mostly torch) do
+        with ThreadPoolExecutor(1, thread_name_prefix="ember-tokenizer") as pool:
+            tokenizer = pool.submit(self.checkpoint.tokenizer)
+            self.core = EngineCore.from_config(config, self.checkpoint)
+            self.tokenizer = tokenizer.result()
         self.model_config = self.core.model_config
-        self.tokenizer = self.checkpoint.tokenizer()
         self.max_model_len = self.core.max_model_len
         self.input_processor = InputProcessor.for_model(
             self.tokenizer, self.model_config, self.max_model_len

@@ -14,9 +14,20 @@ from __future__ import annotations
 
 import msgspec
 
-from ember.engine.prompt_logprobs import PromptLogprobs
 from ember.kv.params import KVTransferParams, RemotePrefill
 from ember.sampling_params import SamplingParams
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Of prompt tokens 1, 2, ... (token 0 has none): {token id: logprob} with the prompt's
+    token first, then the top-N; and the rank of the prompt's token (1: the most likely)."""
+
+    entries: list[dict[int, float]] = []
+    ranks: list[int] = []
+
+    def extend(self, more: PromptLogprobs) -> None:
+        self.entries.extend(more.entries)
+        self.ranks.extend(more.ranks)
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add"):
@@ -97,6 +108,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
 class EngineReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     num_kv_blocks: int
+    startup: list[tuple[str, float, float]] = []  # the core's start-up phases (`ember.startup`)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -6,11 +6,13 @@ sequence (slices and aranges), never with a Python loop over tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from ember import startup
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
@@ -70,7 +72,14 @@ class ModelRunner:
                 model = model_cls(self.model_config, backend, max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
+        startup.mark("model built")  # with the CPU kernels loaded (the attention backend)
+        with _loading_threads():
+            self._load_weights(model, checkpoint)
+        return model.eval()
+
+    def _load_weights(self, model: torch.nn.Module, checkpoint: Checkpoint) -> None:
         model.load_weights(checkpoint.weights())
+        startup.mark("weights")
         if can_pack_for_cpu(self.device, self.dtype):
             if self.config.gguf_blocks and self.weight_dtype == torch.float32:
                 model.load_gguf_blocks(checkpoint.gguf_blocks())
@@ -79,11 +88,11 @@ class ModelRunner:
                 weight_dtype=self.weight_dtype,
             )
             _log_block_decode(model)
+            startup.mark("packed")
         elif self.weight_dtype != self.dtype:
             raise ValueError(
                 f"dtype {self.weight_dtype} on CPU needs oneDNN (torch.backends.mkldnn)"
             )
-        return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------
 
@@ -229,6 +238,21 @@ def profile_batch(num_tokens: int, max_model_len: int, block_size: int, device: 
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     return ids, torch.cat(positions).to(device), meta, first_block
+
+
+@contextlib.contextmanager
+def _loading_threads():
+    """One torch thread fewer than usual while the weights load (at least one): the API
+    process starts alongside (imports, tokenizer), and loading is many small ops, each a
+    parallel region whose threads spin at its barrier (GOMP_SPINCOUNT, see envs) while a
+    peer waits for a core. Measured on the 2-core box, loaded: SmolLM2's weights in 2.1 s
+    wall / 1.1 CPU s with one thread, 15 s / 7.6 CPU s with two."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, num_threads - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def _log_block_decode(model: torch.nn.Module) -> None:

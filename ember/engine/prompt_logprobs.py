@@ -18,25 +18,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
+
+from ember.engine.messages import PromptLogprobs
 
 if TYPE_CHECKING:
     from ember.engine.scheduler import ScheduledRequest
 
 MAX_ROWS = 256  # logits rows computed at once: a [256, vocab] fp32 block
-
-
-class PromptLogprobs(msgspec.Struct, array_like=True):
-    """Of prompt tokens 1, 2, ... (token 0 has none): {token id: logprob} with the prompt's
-    token first, then the top-N; and the rank of the prompt's token (1: the most likely)."""
-
-    entries: list[dict[int, float]] = []
-    ranks: list[int] = []
-
-    def extend(self, more: PromptLogprobs) -> None:
-        self.entries.extend(more.entries)
-        self.ranks.extend(more.ranks)
 
 
 def compute_prompt_logprobs(

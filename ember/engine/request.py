@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.engine.prompt_logprobs import PromptLogprobs
+from ember.engine.messages import PromptLogprobs
 from ember.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ember.engine.structured_output import GrammarMatcher
+    from ember.engine.grammar_masks import GrammarMatcher
     from ember.kv.params import KVTransferParams, RemotePrefill
 
 
@@ -56,7 +56,7 @@ class Request:
     cache_salt: str | None = None
     # n > 1: a sibling whose prompt blocks this request waits for, to share them.
     wait_for: Request | None = None
-    # grammar-constrained decoding: the sampler masks to what this allows (structured_output)
+    # grammar-constrained decoding: the sampler masks to what this allows (grammar_masks)
     grammar: GrammarMatcher | None = None
     # disaggregation: hold the prompt's blocks for a decode worker, or load them from one
     kv_transfer: KVTransferParams | None = None

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.engine.grammar_masks import apply_grammars
 from ember.engine.request import Request
-from ember.engine.structured_output import apply_grammars
 
 
 @dataclass

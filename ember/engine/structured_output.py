@@ -1,21 +1,16 @@
 """Grammar-constrained decoding with llguidance: every sampled token keeps the output valid.
 
-Frontend side: `json_schema_grammar(schema)` turns a JSON schema into an llguidance
-grammar for compact JSON (no whitespace between tokens, at any depth: a model left free
-to emit it may never close the object) with its objects closed (`json_schema`), and
-checks it: a schema llguidance cannot enforce is a ValueError naming the parameter. Core
-side: `GrammarCompiler` (built lazily, once per engine: wrapping the tokenizer takes
-~0.6 s) makes one `GrammarMatcher` per sequence. Each step the sampler masks the
-logits of a constrained row to the tokens the matcher allows; after sampling the
-request feeds the token back (`accept`), which says when the grammar is complete.
+Frontend side (this module; no torch, the API process imports it):
+`json_schema_grammar(schema)` turns a JSON schema into an llguidance grammar for compact
+JSON (no whitespace between tokens, at any depth: a model left free to emit it may never
+close the object) with its objects closed (`json_schema`), and checks it: a schema
+llguidance cannot enforce is a ValueError naming the parameter. Core side:
+`ember.engine.grammar_masks` (the matchers and the logits masks).
 """
 
 from __future__ import annotations
 
 import json
-
-import numpy as np
-import torch
 
 from ember.engine.json_schema import check_strict, close_objects
 
@@ -98,51 +93,3 @@ def _compile(schema: dict, param: str) -> str:
     if is_error:
         raise ValueError(f"{param}: unsupported JSON schema: {messages[0]}")
     return grammar
-
-
-class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int) -> None:
-        if tokenizer is None:
-            raise ValueError("grammar: structured outputs need the model's tokenizer")
-        import llguidance.hf
-
-        self.vocab_size = vocab_size
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-
-    def matcher(self, grammar: str) -> GrammarMatcher:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"grammar: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.vocab_size)
-
-
-class GrammarMatcher:
-    """The grammar state of one sequence."""
-
-    def __init__(self, matcher, vocab_size: int) -> None:
-        self._matcher = matcher
-        self._vocab_size = vocab_size
-        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
-
-    def allowed(self) -> torch.Tensor:
-        """A bool mask over the vocabulary of the tokens that may come next."""
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self._vocab_size].astype(bool))
-
-    def accept(self, token_id: int) -> bool:
-        """Advances past a sampled token; True once the grammar allows nothing more."""
-        self._matcher.consume_token(token_id)
-        return self._matcher.is_stopped() or self._matcher.is_error()
-
-
-def apply_grammars(logits: torch.Tensor, requests) -> torch.Tensor:
-    """Masks (to -inf) the tokens each constrained row's grammar forbids."""
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    if not rows:
-        return logits
-    masks = torch.stack([requests[i].grammar.allowed() for i in rows]).to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~masks, float("-inf"))
-    return logits

@@ -8,10 +8,18 @@ order given; runs of consecutive block ids are moved as one chunk.
 A prefill worker on one host with its decode workers keeps its KV tensors in one file in
 /dev/shm (mode 0600, removed when the engine stops), so a decode worker can copy blocks
 out of it directly (the shared-memory transport).
+
+Nothing is written at allocation: on CPU the tensors are views of an anonymous mapping
+(or of that file, sized with ftruncate), whose pages the OS hands out, zeroed, when a
+step first writes to them. A 4 GB pool costs no time and no memory at start; a block
+costs its pages when first used. On CUDA the pool is zeroed (a device memset, about a
+millisecond per 10 GB): the SDPA decode path reads the masked-off tail of a sequence's
+last block, and a masked NaN left by an earlier allocation would still poison it.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 from collections.abc import Iterator, Sequence
@@ -22,11 +30,15 @@ SHM_DIR = "/dev/shm"
 
 
 def allocate(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device, shm: bool):
-    """Per-layer KV tensors; with `shm`, views of one shared-memory file (path returned)."""
-    if not shm or torch.device(device).type != "cpu" or not os.path.isdir(SHM_DIR):
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], None
-    remove_stale_shm()
+    """Per-layer KV tensors, untouched (module docstring); with `shm`, views of one
+    shared-memory file (path returned)."""
     numel = num_layers * _numel(shape)
+    if torch.device(device).type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], None
+    if not shm or not os.path.isdir(SHM_DIR):
+        flat = _anonymous(numel * dtype.itemsize).view(dtype)
+        return list(flat.view(num_layers, *shape).unbind(0)), None
+    remove_stale_shm()
     path = os.path.join(SHM_DIR, f"ember-kv-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -35,6 +47,13 @@ def allocate(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device
         os.close(fd)
     flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     return list(flat.view(num_layers, *shape).unbind(0)), path
+
+
+def _anonymous(num_bytes: int) -> torch.Tensor:
+    """Bytes of a private anonymous mapping: zero pages, each allocated on first touch.
+    (torch.zeros would write every page now; torch.empty gives no such promise.)"""
+    memory = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=num_bytes)  # keeps `memory` alive
 
 
 def map_shm(path: str, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype):

@@ -1,7 +1,9 @@
 """Opening a checkpoint: a Hugging Face directory (safetensors) or a GGUF file.
 
-Weights are read memory-mapped, one tensor at a time, behind a progress bar. Pickle
-checkpoints (`*.bin`, `*.pt`) are refused: loading them can run arbitrary code.
+Weights are read memory-mapped, one tensor at a time, behind a progress bar; opening a
+checkpoint reads only its config (the API process opens one for its tokenizer, without
+torch). Pickle checkpoints (`*.bin`, `*.pt`) are refused: loading them can run arbitrary
+code.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("ember.loader")
 
@@ -64,18 +67,20 @@ class Checkpoint:
         """The checkpoint's tokenizer, or None (with a warning) when it has none."""
         try:
             if self.is_gguf:
-                from ember.loader.gguf_loader import gguf_tokenizer
+                from ember.loader.gguf_index import gguf_tokenizer
 
                 return gguf_tokenizer(self.path)
-            from transformers import AutoTokenizer
+            from ember.loader.tokenizer import load_tokenizer
 
-            return AutoTokenizer.from_pretrained(str(self.path))
+            return load_tokenizer(self.path)
         # transformers' GGUF tokenizer reader raises KeyError for absent vocabulary fields
         except (OSError, ValueError, KeyError) as exc:
             logger.warning("no tokenizer in %s (%s); only token-id prompts work", self.path, exc)
             return None
 
     def _safetensors_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import SafetensorError, safe_open
+
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:

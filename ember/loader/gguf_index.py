@@ -8,7 +8,7 @@ GGML type, shape and byte range. Later opens read that JSON and memory-map the t
 straight from their offsets; the tokenizer has its own cache next to it.
 
     ~/.cache/ember/gguf/<key>/index.json    this index
-    ~/.cache/ember/gguf/<key>/tokenizer/    the tokenizer (gguf_loader.gguf_tokenizer)
+    ~/.cache/ember/gguf/<key>/tokenizer/    the tokenizer (gguf_tokenizer)
 """
 
 from __future__ import annotations
@@ -20,9 +20,15 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
+
+from ember.loader.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("ember.loader")
 
@@ -124,3 +130,42 @@ def _save(index: GGUFIndex, target: Path) -> None:
         os.replace(f.name, target)
     except OSError as exc:
         logger.debug("GGUF index not written to %s: %s", target, exc)
+
+
+def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in a GGUF file, with its chat template (via transformers' GGUF
+    support). Building it parses the whole file's metadata (~10 s for SmolLM2), so the
+    result is kept in the cache directory, keyed by the file's path, size and mtime."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file not found: {path}")
+    cached = _tokenizer_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(cached)
+    else:
+        from transformers import AutoTokenizer  # here: the engine process never needs it
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        _save_tokenizer(tokenizer, cached)
+    if tokenizer.eos_token is None:
+        raise ValueError(f"GGUF tokenizer in {path} has no eos token")
+    if tokenizer.chat_template is None:
+        logger.warning("GGUF file %s has no tokenizer.chat_template; chat requests will fail", path)
+    return tokenizer
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    return cache_dir(path) / "tokenizer"
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Saves atomically (another process may be building the same one); a cache that
+    cannot be written only costs the next start its time."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, target)
+            os.mkdir(tmp)  # for TemporaryDirectory's own cleanup
+    except OSError as exc:
+        logger.debug("tokenizer cache not written to %s: %s", target, exc)

@@ -1,4 +1,5 @@
-"""Read GGUF checkpoints (llama.cpp's format) as Hugging Face configs, weights and tokenizers.
+"""Read GGUF checkpoints (llama.cpp's format) as Hugging Face configs and weights (the
+tokenizer: `gguf_index.gguf_tokenizer`).
 
 Shapes: GGUF records a matrix's dims innermost first, so a Linear of Hugging Face shape
 [out, in] is stored with `tensor.shape == [in, out]`. `GGUFReader` already exposes its
@@ -14,23 +15,17 @@ row order (llama.cpp runs them with NeoX rope).
 from __future__ import annotations
 
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import gguf
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 from ember.loader.dequant import dequantize
 from ember.loader.gguf_index import GGUFIndex
-from ember.loader.gguf_index import cache_dir as gguf_cache_dir
 from ember.loader.gguf_index import tensors as indexed_tensors
 
 logger = logging.getLogger("ember.loader")
@@ -270,42 +265,3 @@ def _unpermute_rows(weights: np.ndarray, num_heads: int, name: str) -> np.ndarra
     half = num_rows // num_heads // 2
     split = weights.reshape(num_heads, half, 2, *weights.shape[1:])
     return np.ascontiguousarray(split.swapaxes(1, 2).reshape(weights.shape))
-
-
-def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer stored in a GGUF file, with its chat template (via transformers' GGUF
-    support). Building it parses the whole file's metadata (~10 s for SmolLM2), so the
-    result is kept in the cache directory, keyed by the file's path, size and mtime."""
-    from transformers import AutoTokenizer  # here: the engine process never needs it
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"GGUF file not found: {path}")
-    cached = _tokenizer_cache_dir(path)
-    if (cached / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(cached))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        _save_tokenizer(tokenizer, cached)
-    if tokenizer.eos_token is None:
-        raise ValueError(f"GGUF tokenizer in {path} has no eos token")
-    if tokenizer.chat_template is None:
-        logger.warning("GGUF file %s has no tokenizer.chat_template; chat requests will fail", path)
-    return tokenizer
-
-
-def _tokenizer_cache_dir(path: Path) -> Path:
-    return gguf_cache_dir(path) / "tokenizer"
-
-
-def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """Saves atomically (another process may be building the same one); a cache that
-    cannot be written only costs the next start its time."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            tokenizer.save_pretrained(tmp)
-            os.rename(tmp, target)
-            os.mkdir(tmp)  # for TemporaryDirectory's own cleanup
-    except OSError as exc:
-        logger.debug("tokenizer cache not written to %s: %s", target, exc)

@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-import uvicorn
-
 from ember import envs
-from ember.server.run import add_access_args
+from ember.server.args import add_access_args
 
 logger = logging.getLogger("ember.router")
 
@@ -38,9 +36,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
     from ember.router.app import build_router_app
     from ember.router.policy import Pools
-    from ember.server.run import access_of
+    from ember.server.args import access_of
 
     if bool(args.prefill) != bool(args.decode):
         raise ValueError("--prefill and --decode: disaggregation needs workers of both kinds")

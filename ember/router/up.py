@@ -24,10 +24,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import httpx
+from ember.server.args import access_of, add_access_args, add_parser_args, add_queue_args
 
-from ember.server.run import access_of, add_access_args, add_parser_args, add_queue_args
+if TYPE_CHECKING:
+    import httpx  # imported where used: `ember serve` parses its flags without it
 
 logger = logging.getLogger("ember.router")
 
@@ -206,6 +208,8 @@ class Cluster:
 
 
 def _get_health(url: str) -> httpx.Response | None:
+    import httpx
+
     try:
         return httpx.get(f"{url}/health", timeout=1.0)
     except httpx.HTTPError:

@@ -24,6 +24,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.headers import RESPONSE_ID_HEADER, SESSION_HEADER
 from ember.server.errors import APIError, error_body, install_error_handlers
 from ember.server.guard import Access, Guard
+from ember.server.limits import DEFAULT_STORE_CHARS
 from ember.server.metrics import ServerMetrics
 from ember.server.parsers import ChatParsers
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -33,7 +34,6 @@ from ember.server.serving_chat import ChatServing
 from ember.server.serving_completion import CompletionServing
 from ember.server.serving_messages import MessagesServing, anthropic_error, parse_request
 from ember.server.serving_responses import (
-    DEFAULT_STORE_CHARS,
     ResponsesServing,
     ResponseStore,
     new_response_id,
@@ -62,6 +62,7 @@ def build_app(
     tokenization = TokenizeServing(llm, model_name, metrics)
     install_error_handlers(app)
     app.state.llm = llm
+    app.state.metrics = metrics
     app.state.cluster_secret = secret
     app.add_middleware(Guard, access=access)
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-import httpx
+from typing import TYPE_CHECKING
 
 from ember import envs
 from ember.headers import SESSION_HEADER
+
+if TYPE_CHECKING:
+    import httpx  # imported where used: `ember serve` parses its flags without it
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,8 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    import httpx
+
     headers = {}
     key = args.api_key or envs.api_key()
     if key:

@@ -24,8 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ember import cluster
 from ember.headers import ROUTER_TOKEN_HEADER
 from ember.server.errors import error_body_for
+from ember.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 PROTECTED = ("/load", "/metrics")
 API_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: the tokenizer, as vLLM has it
 

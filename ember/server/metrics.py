@@ -83,7 +83,22 @@ class ServerMetrics:
             "ember_engine_step_budget_prefill_tokens", "The prefill tokens the step budget "
             "allowed the last step it shrank.", labels, registry=r,
         )  # fmt: skip
+        self.startup = Gauge(
+            "ember_startup_seconds", "When each start-up phase ended, in seconds since the "
+            "server process began (ember.startup).", ["model_name", "process", "phase"],
+            registry=r,
+        )  # fmt: skip
+        self.startup_cpu = Gauge(
+            "ember_startup_cpu_seconds", "CPU time each process had used when each of its "
+            "start-up phases ended.", ["model_name", "process", "phase"], registry=r,
+        )  # fmt: skip
         self.model_name = model_name
+
+    def set_startup(self, processes: dict[str, list[tuple[str, float, float]]]) -> None:
+        for process, phases in processes.items():
+            for phase, seconds, cpu in phases:
+                self.startup.labels(self.model_name, process, phase).set(seconds)
+                self.startup_cpu.labels(self.model_name, process, phase).set(cpu)
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from ember.server.errors import APIError, describe
+from ember.server.limits import DEFAULT_STORE_CHARS
 from ember.server.protocol import ChatCompletionRequest
 from ember.server.protocol_responses import ResponsesRequest, chat_messages
 from ember.server.serving import RequestContext, now
 from ember.server.serving_chat import ChatServing
-
-DEFAULT_STORE_CHARS = 64 << 20
 
 
 @dataclass

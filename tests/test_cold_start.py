@@ -1,0 +1,124 @@
+"""What a start costs: the KV pool takes no memory until requests use it (privately or in
+the shared-memory file of a prefill worker), and the API process of `ember serve` loads
+no torch. (`test_bench_startup.py` times a real start, phase by phase.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.engine.messages import EngineCoreRequest
+from ember.kv import buffers
+from ember.sampling_params import SamplingParams
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+POOL_BYTES = 256 << 20
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/pagemap"), reason="reads /proc/self/pagemap (Linux)"
+)
+
+
+def resident_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the tensors' memory that is mapped into this process (present pages, from
+    /proc/self/pagemap: bit 63 of each page's entry, readable without privileges)."""
+    start = min(t.data_ptr() for t in tensors)
+    end = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+    first, last = start // PAGE, -(-end // PAGE)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = memoryview(f.read((last - first) * 8)).cast("Q")
+    return sum(PAGE for entry in entries if entry >> 63)
+
+
+def kv_shape(num_blocks: int) -> tuple[int, ...]:
+    return (2, num_blocks, 16, 2, 64)  # 16 KiB a block and layer (keys, values)
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_new_pool_holds_no_memory_until_a_block_is_written(shm):
+    layers, path = buffers.allocate(kv_shape(2048), 8, torch.float32, "cpu", shm=shm)
+    try:
+        total = sum(t.numel() * t.element_size() for t in layers)
+        assert total == POOL_BYTES
+        assert resident_bytes(layers) == 0
+        if path is not None:  # nor in the file that decode workers map
+            assert os.stat(path).st_blocks == 0
+
+        layers[3][1, 7].fill_(1.0)  # one block's values in one layer: 8 KiB, two pages
+        assert 0 < resident_bytes(layers) <= 4 * PAGE
+        assert float(layers[3][1, 7].sum()) == 16 * 2 * 64
+        assert float(layers[5].abs().sum()) == 0.0  # untouched memory reads as zeros
+    finally:
+        buffers.remove_shm(path)
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill"])  # prefill: the pool is a /dev/shm file
+def test_an_engine_starts_without_touching_its_pool_and_still_generates(
+    tiny_checkpoint, monkeypatch, role
+):
+    monkeypatch.setenv("EMBER_CLUSTER_SECRET", "test-secret")
+    config = EngineConfig(
+        model=str(tiny_checkpoint("llama")),
+        kv_cache_memory=POOL_BYTES,
+        max_model_len=256,
+        kv_role=role,
+        device="cpu",
+    )
+    core = EngineCore.from_config(config)
+    try:
+        kv = core.runner.kv_caches
+        pool = sum(t.numel() * t.element_size() for t in kv)
+        assert pool >= POOL_BYTES * 0.9
+        assert resident_bytes(kv) == 0
+        shm_path = core.runner.kv_shm_path
+        assert (shm_path is not None) == (role == "prefill")
+        if shm_path is not None:
+            assert os.stat(shm_path).st_blocks == 0
+
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        core.add_request(EngineCoreRequest("a", list(range(5, 45)), params, 8, []))
+        outputs = []
+        while core.has_unfinished():
+            outputs += core.step()
+        assert len([t for o in outputs for t in o.new_token_ids]) == 8
+        used = resident_bytes(kv)  # the blocks of 48 tokens, in every layer
+        assert 0 < used < pool / 100
+    finally:
+        core.close()
+
+
+API_IMPORTS = textwrap.dedent(
+    """
+    import sys
+    loaded = lambda *names: sorted(m for m in names if m in sys.modules)
+    from ember import cli
+    cli.build_parser().parse_args(["serve"])
+    import ember.server.run  # what runs before the core is spawned
+    print(loaded("torch", "fastapi", "uvicorn", "pydantic", "transformers", "httpx"))
+    import ember.server.http_server
+    from ember.loader.checkpoint import open_checkpoint
+    tokenizer = open_checkpoint(sys.argv[1]).tokenizer()
+    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    print(loaded("torch", "safetensors"))
+    """
+)
+
+
+def test_the_api_process_loads_no_torch_and_spawns_the_core_first(tiny_checkpoint):
+    """Its imports, flags and tokenizer: torch's second of import belongs to the core,
+    and the HTTP stack is imported only after the core is on its way."""
+    out = subprocess.run(
+        [sys.executable, "-c", API_IMPORTS, str(tiny_checkpoint("llama"))],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip().splitlines()[-2:] == ["[]", "[]"]
