@@ -68,7 +68,7 @@ def random_blocks(out_features: int, in_features: int) -> torch.Tensor:
     for field in range(2 if block_bytes == 20 else 1):
         scales = (torch.rand(blocks.shape[0]) * 0.01).half()
         blocks[:, 2 * field : 2 * field + 2] = scales.view(torch.uint8).view(-1, 2)
-    return blocks.view(out_features, -1)
+    return blocks.view(out_features, -1, block_bytes)
 
 
 def small_gemm(kernels, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

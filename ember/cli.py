@@ -91,8 +91,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-gguf-blocks",
         action="store_true",
-        help="decode from the fp32 weights even when a GGUF file's Q4_0 / Q4_1 / Q8_0 "
-        "blocks (which decode to the same weights, bit for bit) would be 2-3x faster on CPU",
+        help="decode from the fp32 weights even when a GGUF file's Q4_0 / Q4_1 / Q5_0 / "
+        "Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (which decode to the same weights, bit for bit) would be 2-3x faster on CPU",
     )
     parser.add_argument(
         "--seed", type=int, default=d.seed, help="seed for unseeded sampling (default %(default)s)"

@@ -127,8 +127,9 @@ class EngineConfig:
     # fp32 matmuls of prefill-sized batches on CPU: "ieee" (exact) or "bf16" (oneDNN may
     # round the operands to bf16 and use AMX / AVX-512 BF16; the weights stay fp32)
     matmul_precision: str = "ieee"
-    # CPU decode steps of a GGUF model read its Q4_0 / Q4_1 / Q8_0 matrices as the file's
-    # blocks, decoded in registers to exactly the fp32 weights (same results, 2-3x faster)
+    # CPU decode steps of a GGUF model read its matrices in the block formats ember decodes
+    # (gguf_loader.BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as the file's blocks,
+    # decoded in registers to exactly the fp32 weights (same results, 2-3x faster)
     gguf_blocks: bool = True
     seed: int = 0
     # disaggregation (the KV connector); the cluster secret comes from $EMBER_CLUSTER_SECRET

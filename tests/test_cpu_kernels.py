@@ -44,23 +44,36 @@ def test_small_gemm_declines_shapes_it_does_not_handle(kernels):
         kernels.small_gemm(torch.randn(9, 64), torch.randn(8, 64), None)
 
 
-BLOCK_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per block of 32 weights
+# Offsets of each block format's fp16 fields (scale d, minimum m or dmin): every other
+# byte is a quantized code or a packed sub-block scale, random in the tests below.
+HALF_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
 
 
-def random_blocks(block_bytes: int, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Every byte random (all 4- and 8-bit codes) but the fp16 scale and minimum fields,
-    which are finite, of either sign, over a wide range, subnormals included."""
+def block_shape(name: str) -> tuple[int, int]:
+    """(weights, bytes) per block, as gguf lists them: 32-weight blocks, 256-weight K-quants."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """[rows, blocks per row, bytes per block]: every byte random (all codes, all packed
+    sub-block scales and minimums) but the fp16 fields, which are finite, of either sign,
+    over a wide range, subnormals included."""
+    block_weights, block_bytes = block_shape(name)
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randint(
-        0, 256, (rows * cols // 32, block_bytes), dtype=torch.uint8, generator=gen
+        0, 256, (rows * cols // block_weights, block_bytes), dtype=torch.uint8, generator=gen
     )
-    fields = 2 if block_bytes == 20 else 1  # Q4_1 stores d and m, the others d
-    for f in range(fields):
+    for offset in HALF_FIELDS[name]:
         exponent = torch.randint(-26, 4, (blocks.shape[0],), generator=gen).float()
         sign = torch.randint(0, 2, (blocks.shape[0],), generator=gen).float() * 2 - 1
         halves = (sign * torch.rand(blocks.shape[0], generator=gen) * 2**exponent).half()
-        blocks[:, 2 * f : 2 * f + 2] = halves.view(torch.uint8).view(-1, 2)
-    return blocks.view(rows, -1)
+        blocks[:, offset : offset + 2] = halves.view(torch.uint8).view(-1, 2)
+    return blocks.view(rows, cols // block_weights, block_bytes)
 
 
 def dequantized(blocks: torch.Tensor, name: str) -> torch.Tensor:
@@ -70,18 +83,38 @@ def dequantized(blocks: torch.Tensor, name: str) -> torch.Tensor:
     from ember.loader.dequant import dequantize
 
     qtype = gguf.GGMLQuantizationType[name]
-    return torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(blocks.shape[0], -1))
+    weights = dequantize(blocks.flatten(1).numpy(), qtype)
+    return torch.from_numpy(weights.reshape(blocks.shape[0], -1))
 
 
-@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def sub_block_scale_codes(blocks: torch.Tensor, name: str) -> list[set[int]]:
+    """The distinct sub-block scale (and minimum) codes of K-quant blocks."""
+    import gguf
+
+    flat = blocks.flatten(0, 1).numpy()
+    if name == "Q6_K":
+        return [set(flat[:, 192:208].view("int8").flatten().tolist())]
+    scales, minimums = gguf.quants.Q4_K.get_scale_min(flat[:, 4:16])
+    return [set(scales.flatten().tolist()), set(minimums.flatten().tolist())]
+
+
+# out_features 964: a multiple of 4 (the kernel's row groups), not of 8 or 16 (vectors)
+BLOCK_GEMM_SHAPES = {32: (964, 576), 256: (964, 768)}  # by weights per block
+
+
+@pytest.mark.parametrize("name", HALF_FIELDS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 11, 16])
 def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows, kernels):
     """Bit for bit: the blocks decode to exactly the loaded fp32 W, summed in the same order."""
-    blocks = random_blocks(BLOCK_FORMATS[name], 960, 576, seed=rows)
+    out_features, in_features = BLOCK_GEMM_SHAPES[block_shape(name)[0]]
+    blocks = random_blocks(name, out_features, in_features, seed=rows)
+    if name.endswith("_K"):  # every packed 6-bit (Q6_K: 8-bit) sub-block code occurs
+        for codes in sub_block_scale_codes(blocks, name):
+            assert codes == set(range(-128, 128) if name == "Q6_K" else range(64))
     w = dequantized(blocks, name)
     assert torch.isfinite(w).all() and w.abs().max() > 0
     torch.manual_seed(rows)
-    x, b = torch.randn(rows, 576), torch.randn(960)
+    x, b = torch.randn(rows, in_features), torch.randn(out_features)
     for bias in (None, b):
         # more than 8 rows: one pass over W per 8 rows of x, each the small GEMM's sums
         parts = [kernels.small_gemm(part.contiguous(), w, bias) for part in x.split(8)]
@@ -92,16 +125,23 @@ def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows, ker
 
 
 def test_block_gemm_refuses_what_it_cannot_decode(kernels):
-    assert kernels.block_gemm_supported(576, 960)
-    assert not kernels.block_gemm_supported(560, 960)  # in_features not whole blocks
-    assert not kernels.block_gemm_supported(576, 962)  # out_features not a multiple of 4
+    assert kernels.block_gemm_supported(576, 960, 18)  # Q4_0
+    assert not kernels.block_gemm_supported(560, 960, 18)  # in_features not whole blocks
+    assert not kernels.block_gemm_supported(576, 962, 18)  # out_features not a multiple of 4
+    assert kernels.block_gemm_supported(1536, 576, 144)  # Q4_K: 256 weights per super-block
+    assert not kernels.block_gemm_supported(576, 1536, 144)
+    assert not kernels.block_gemm_supported(576, 960, 19)  # no such format
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="19-byte blocks"):
-        kernels.block_gemm(x, torch.zeros(8, 38, dtype=torch.uint8), None)
-    with pytest.raises(RuntimeError, match="whole number of blocks"):
-        kernels.block_gemm(x, torch.zeros(8, 41, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="19-byte blocks are none of Q4_0"):
+        kernels.block_gemm(x, torch.zeros(8, 2, 19, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="in_features % 256 == 0"):
+        kernels.block_gemm(x, torch.zeros(8, 1, 144, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="3 blocks of 32 weights per row, for 64"):
+        kernels.block_gemm(x, torch.zeros(8, 3, 18, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="3-D blocks"):
+        kernels.block_gemm(x, torch.zeros(8, 36, dtype=torch.uint8), None)
     with pytest.raises(RuntimeError, match="uint8 blocks"):
-        kernels.block_gemm(x, torch.zeros(8, 40), None)
+        kernels.block_gemm(x, torch.zeros(8, 2, 18), None)
 
 
 def test_add_rms_norm_adds_in_place_and_normalizes(kernels):

@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from kquant import quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, load_gguf_checkpoint
 
@@ -166,7 +167,7 @@ def write_tiny_model(
         weights = rng.standard_normal(shape, dtype=np.float32)
         originals[hf_name] = weights
         tensor_type = (qtypes or {}).get(gguf_name, qtype) if weights.ndim == 2 else QT.F32
-        data = gguf.quants.quantize(gguf_order(arch, gguf_name, weights), tensor_type)
+        data = quantize(gguf_order(arch, gguf_name, weights), tensor_type)
         tensors[gguf_name] = (data, tensor_type)
     write_gguf(path, arch, tensors, **kwargs)
     return originals
@@ -243,6 +244,23 @@ def test_k_quants_equal_the_gguf_package_dequantization(tmp_path: Path, qtype: Q
     assert torch.equal(weights["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm))
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_the_tests_k_quantizer_round_trips_through_gguf(qtype: QT) -> None:
+    """tests/kquant.py writes valid blocks: gguf's own dequantizer gives the weights back
+    within half a quantization step (Q4_K, Q5_K: 15, 31 steps over each 32's range, Q6_K:
+    63 over twice each 16's largest |w|)."""
+    rng = np.random.default_rng(5)
+    weights = rng.standard_normal((96, 512), dtype=np.float32) * rng.uniform(0.01, 50, (96, 1))
+    data = quantize(weights, qtype)
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    assert data.dtype == np.uint8 and data.shape == (96, 512 // 256 * block_bytes)
+    back = gguf.quants.dequantize(data, qtype)
+    error = np.abs(back - weights).reshape(-1, 256).max(-1)
+    largest = np.abs(weights).reshape(-1, 256).max(-1)
+    assert (error <= {QT.Q4_K: 0.07, QT.Q5_K: 0.034, QT.Q6_K: 0.017}[qtype] * largest).all()
+    assert (error >= 1e-4 * largest).all()  # and it did round: a quantizer, not a copy
+
+
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_1], ids=lambda q: q.name)
 def test_cached_index_opens_the_same_checkpoint_without_parsing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: QT
@@ -296,6 +314,13 @@ BLOCK_CASES = {
     "llama-Q8_0-tied": dict(arch="llama", qtype=QT.Q8_0, tied=True),  # head = embedding blocks
     # k in another format than q and v: the fused qkv decodes from fp32, the rest from blocks
     "llama-mixed": dict(arch="llama", qtype=QT.Q4_1, qtypes={"blk.0.attn_k.weight": QT.Q8_0}),
+    # Q4_K_M-style: K-quant down projections (in_features 256), 32-weight Q5_0 elsewhere
+    "llama-k-quants": dict(
+        arch="llama",
+        qtype=QT.Q5_0,
+        qtypes={"blk.0.ffn_down.weight": QT.Q4_K, "blk.1.ffn_down.weight": QT.Q6_K},
+    ),
+    "qwen2-Q5_1-Q5_K": dict(arch="qwen2", qtype=QT.Q5_1, qtypes={"blk.1.ffn_down.weight": QT.Q5_K}),
 }
 
 

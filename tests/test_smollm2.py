@@ -1,10 +1,13 @@
 """The default model with its real weights: greedy chat output equals transformers' on the
-same GGUF file (transformers dequantizes and un-permutes it with its own code)."""
+same GGUF file (transformers dequantizes and un-permutes it with its own code); and the
+same for it requantized Q4_K_M-style (K-quant blocks decoded in registers)."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
+from kquant import requantize_q4_k_m
 
 from ember import LLM, SamplingParams
 from ember.engine.kernels import cpu_kernels, selected_isa, supported_isas
@@ -32,13 +35,10 @@ def smollm2():
     )
 
 
-@pytest.fixture(scope="module")
-def reference_tokens(smollm2):
-    """transformers' greedy continuation of each chat."""
-    llm, reference = smollm2
-    tokenizer = llm.get_tokenizer()
+def transformers_greedy(reference, tokenizer, chats) -> list[tuple[list[int], list[int]]]:
+    """(prompt, transformers' greedy continuation) of each chat."""
     generations = []
-    for chat in CHATS:
+    for chat in chats:
         prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)
         prompt = list(prompt["input_ids"])
         with torch.inference_mode():
@@ -53,6 +53,22 @@ def reference_tokens(smollm2):
     return generations
 
 
+@pytest.fixture(scope="module")
+def reference_tokens(smollm2):
+    llm, reference = smollm2
+    return transformers_greedy(reference, llm.get_tokenizer(), CHATS)
+
+
+def assert_greedy_chats(llm, chats, expected) -> None:
+    outputs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    tokenizer = llm.get_tokenizer()
+    for (prompt, generated), output in zip(expected, outputs, strict=True):
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == generated
+        expected_text = tokenizer.decode(generated, skip_special_tokens=True)
+        assert output.outputs[0].text == expected_text
+
+
 # every CPU kernel build this machine runs (an AVX-512 machine runs all three)
 @pytest.mark.parametrize("isa", supported_isas())
 def test_greedy_chat_matches_transformers(smollm2, reference_tokens, isa, cpu_isa):
@@ -63,14 +79,7 @@ def test_greedy_chat_matches_transformers(smollm2, reference_tokens, isa, cpu_is
         if cpu_kernels() is not None:
             qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
             assert qkv.block_gemm.__module__ == f"ember_cpu_kernels_{isa}"
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    outputs = llm.chat(CHATS, params)
-    tokenizer = llm.get_tokenizer()
-    for (prompt, generated), output in zip(reference_tokens, outputs, strict=True):
-        assert output.prompt_token_ids == prompt
-        assert output.outputs[0].token_ids == generated
-        expected_text = tokenizer.decode(generated, skip_special_tokens=True)
-        assert output.outputs[0].text == expected_text
+    assert_greedy_chats(llm, CHATS, reference_tokens)
 
 
 def test_decode_steps_read_the_files_blocks(smollm2):
@@ -84,7 +93,38 @@ def test_decode_steps_read_the_files_blocks(smollm2):
     model = llm.engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 121 and all(m.block_gemm is not None for m in linears)
-    assert model.lm_head.blocks.shape == (49152, 576 // 32 * 34)  # Q8_0
+    assert model.lm_head.blocks.shape == (49152, 576 // 32, 34)  # Q8_0
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_path(tmp_path_factory):
+    """The default model requantized as a Q4_K_M file would be (tests/kquant.py): only
+    down_proj (in_features 1536) takes 256-weight K-quants, Q4_K or Q6_K by layer; the
+    576-wide matmuls fall back to Q5_0, as llama.cpp's do; the Q8_0 embedding is kept."""
+    path = tmp_path_factory.mktemp("q4_k_m") / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    counts = requantize_q4_k_m(str(resolve_model(None)), str(path))
+    QT = gguf.GGMLQuantizationType
+    assert counts == {QT.Q5_0: 30 * 6, QT.Q4_K: 16, QT.Q6_K: 14}
+    return path
+
+
+def test_k_quant_file_greedy_chat_matches_transformers(q4_k_m_path):
+    """Decode reads every matmul's blocks (down_proj's Q4_K / Q6_K super-blocks, Q5_0 and
+    the Q8_0 head elsewhere), which decode to exactly the fp32 weights transformers has."""
+    from ember.models.layers import Linear
+
+    llm = LLM(str(q4_k_m_path), kv_cache_memory=1 << 27, max_model_len=2048)
+    reference = transformers_model(open_checkpoint(q4_k_m_path))
+    if cpu_kernels() is not None:
+        model = llm.engine.core.runner.model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert len(linears) == 121 and all(m.block_gemm is not None for m in linears)
+        block_bytes = [layer.mlp.down_proj.blocks.shape[1:] for layer in model.model.layers]
+        assert block_bytes.count((1536 // 256, 144)) == 16  # Q4_K
+        assert block_bytes.count((1536 // 256, 210)) == 14  # Q6_K
+        assert model.model.layers[0].mlp.gate_up_proj.blocks.shape == (2 * 1536, 576 // 32, 22)
+    chats = CHATS[:2]
+    assert_greedy_chats(llm, chats, transformers_greedy(reference, llm.get_tokenizer(), chats))
 
 
 def test_answers_sensibly(smollm2):

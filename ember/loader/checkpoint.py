@@ -55,8 +55,8 @@ class Checkpoint:
         )
 
     def gguf_blocks(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as raw blocks (nothing for other
-        checkpoints): decode steps read these instead of the fp32 weights."""
+        """A GGUF file's matrices in gguf_loader.BLOCK_FORMATS as raw blocks (nothing for
+        other checkpoints): decode steps read these instead of the fp32 weights."""
         if not self.is_gguf:
             return
         from ember.loader.gguf_loader import iter_indexed_blocks

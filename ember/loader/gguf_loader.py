@@ -190,20 +190,27 @@ def iter_indexed_weights(
     yield from _iter_weights(indexed_tensors(path, index), index.architecture, config)
 
 
-# The block formats ember's block GEMM decodes to exactly the fp32 weights loaded above.
-BLOCK_FORMATS = frozenset({_QT.Q4_0, _QT.Q4_1, _QT.Q8_0})
+# The block formats ember's block GEMM decodes to exactly the fp32 weights loaded above
+# (each is told apart by its bytes per block: ember/engine/kernels/block_gemm.cpp).
+BLOCK_FORMATS = frozenset({
+    _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0,  # 32 weights per block
+    _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,  # 256 weights per super-block
+})  # fmt: skip
 
 
 def iter_indexed_blocks(
     path: Path, index: GGUFIndex, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, uint8 [out_features, row bytes]) for every matrix stored in one
-    of BLOCK_FORMATS: its raw blocks, copied out of the file, rows in HF order."""
+    """(Hugging Face name, uint8 [out_features, blocks per row, bytes per block]) for every
+    matrix stored in one of BLOCK_FORMATS: its raw blocks, copied out of the file, rows in
+    HF order."""
     interleaved_rope = index.architecture == "llama"
     for tensor in indexed_tensors(path, index):
         if tensor.tensor_type not in BLOCK_FORMATS or len(tensor.shape) != 2:
             continue
+        _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         rows = np.array(tensor.data, dtype=np.uint8)  # a row's blocks move as a whole
+        rows = rows.reshape(rows.shape[0], -1, type_size)
         if interleaved_rope:
             rows = _undo_rope_permutation(tensor.name, rows, config)
         yield _hf_name(tensor.name), torch.from_numpy(rows)

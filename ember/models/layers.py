@@ -68,9 +68,10 @@ class Linear(nn.Module):
     """y = x W^T (+ b); W is [out_features, in_features] like Hugging Face's.
 
     On CPU, `pack_for_cpu()` (called once after loading) picks the matmul by batch rows:
-    - up to BLOCK_GEMM_MAX_ROWS, when W came from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
-      (`load_blocks`): ember's block GEMM, which decodes those blocks in registers to
-      exactly the fp32 W (bit-identical results, 4-7x fewer bytes streamed per step);
+    - up to BLOCK_GEMM_MAX_ROWS, when W came from a GGUF file's blocks in one of the
+      loader's BLOCK_FORMATS (`load_blocks`): ember's block GEMM, which decodes those
+      blocks in registers to exactly the fp32 W (bit-identical results, 4-7x fewer bytes
+      streamed per step);
     - up to SMALL_GEMM_MAX_ROWS (decode): ember's AVX-512 small GEMM, which streams W
       once (measured: 18% faster than oneDNN at 4 rows, 8% faster than MKL at 1);
     - PACKED_MIN_ROWS and up (prefill): oneDNN on a packed copy of W, which costs W's
@@ -91,7 +92,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.small_gemm = None  # ember's AVX-512 kernel for 1-8 rows, when it applies
         self.bf16_products = False
-        self.blocks: torch.Tensor | None = None  # W as GGUF blocks, uint8 [out, row bytes]
+        # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]
+        self.blocks: torch.Tensor | None = None
         self.block_gemm = None  # ember's kernel over `blocks`, when it applies
         self._block_parts: dict[int, torch.Tensor] = {}
 
@@ -123,11 +125,12 @@ class Linear(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
     def load_blocks(self, rows: torch.Tensor, shard_id: int | None = None) -> None:
-        """The checkpoint's raw blocks of W (or of part `shard_id` of a merged W): rows of
-        uint8, one per output feature. Used once every part has come, in one format."""
+        """The checkpoint's raw blocks of W (or of part `shard_id` of a merged W): uint8
+        [rows, blocks per row, bytes per block], a row per output feature. Used once every
+        part has come, in one format (the same block size and count)."""
         sizes = getattr(self, "output_sizes", [self.weight.shape[0]])
         shard = shard_id or 0
-        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[0] != sizes[shard]:
+        if rows.dim() != 3 or rows.dtype != torch.uint8 or rows.shape[0] != sizes[shard]:
             raise ValueError(
                 f"blocks of shape {tuple(rows.shape)} ({rows.dtype}) do not fit "
                 f"{sizes[shard]} rows of this weight"
@@ -135,7 +138,7 @@ class Linear(nn.Module):
         self._block_parts[shard] = rows
         if len(self._block_parts) == len(sizes):
             parts = [self._block_parts[i] for i in range(len(sizes))]
-            if len({part.shape[1] for part in parts}) == 1:  # one format throughout
+            if len({part.shape[1:] for part in parts}) == 1:  # one format throughout
                 self.blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._block_parts = {}
 
@@ -157,7 +160,7 @@ class Linear(nn.Module):
             self.blocks is not None
             and kernels is not None
             and self.weight.dtype == torch.float32
-            and kernels.block_gemm_supported(in_features, out_features)
+            and kernels.block_gemm_supported(in_features, out_features, self.blocks.shape[2])
         ):
             self.block_gemm = kernels.block_gemm
         else:

@@ -1,21 +1,32 @@
 // y = x W^T for a few rows of float32 x, W kept as the GGUF file's quantized blocks
-// (Q4_0, Q4_1, Q8_0: 32 weights per block), on whichever vector ISA this build is
-// for (simd.h).
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 weights per block; the K-quants Q4_K, Q5_K, Q6_K:
+// 256 per super-block), on whichever vector ISA this build is for (simd.h).
 //
 // The fp32 weights ember loads from such a file are exactly what these blocks decode to:
-// every block value is a 4- or 8-bit integer times an fp16 scale (plus an fp16 minimum for
-// Q4_1); the product is exact in fp32, so one fused multiply-add rounds the way the
-// loader's `d * q + m` does. Decoding in registers therefore reproduces the fp32 weights
-// bit for bit, while a decode step streams 0.56-1.06 bytes per weight instead of 4.
+// every weight is a small integer code times a scale, where the scale (an fp16 d, or for
+// the K-quants d times a 6- or 8-bit sub-block scale) times the code is exact in fp32,
+// so the only rounding is the one subtraction or addition of the minimum, which a fused
+// multiply-add rounds the way the loader's `d * q - m` does (gguf's dequantizers; see
+// each format below). Decoding in registers therefore reproduces the fp32 weights bit
+// for bit, while a decode step streams 0.56-1.06 bytes per weight instead of 4.
 // The arithmetic is small_gemm.cpp's, in the same order (one vector of k at a time, M x R
 // register accumulators, one reduction at the end), so the results are bit-identical
 // to small_gemm on the dequantized weights.
 //
-// Layouts (d, m: fp16; q: 4-bit, low nibbles hold weights 0-15, high nibbles 16-31):
-//   Q4_0  18 bytes  [d | 16 bytes q]    w = d * (q - 8)
-//   Q4_1  20 bytes  [d | m | 16 bytes q] w = d * q + m
-//   Q8_0  34 bytes  [d | 32 int8 q]     w = q * d
-// The block size tells the formats apart; W is [out_features, row_bytes] uint8.
+// Layouts (d, m, dmin: fp16; 4-bit q: low nibbles hold a group's first weights, high
+// nibbles the next; qh: the fifth (and sixth) bits):
+//   Q4_0   18 bytes  [d | 16 bytes q]                  w = d * (q - 8)
+//   Q4_1   20 bytes  [d | m | 16 bytes q]              w = d * q + m
+//   Q5_0   22 bytes  [d | qh: u32 | 16 bytes q]        w = d * (q - 16)
+//   Q5_1   24 bytes  [d | m | qh: u32 | 16 bytes q]    w = d * q + m
+//   Q8_0   34 bytes  [d | 32 int8 q]                   w = q * d
+//   Q4_K  144 bytes  [d | dmin | 12 bytes of 6-bit sc, mn for 8 sub-blocks | 128 bytes q]
+//                                                      w = (d * sc) * q - dmin * mn
+//   Q5_K  176 bytes  [d | dmin | 12 bytes sc, mn | 32 bytes qh | 128 bytes q]   the same
+//   Q6_K  210 bytes  [128 bytes low 4 bits | 64 bytes high 2 bits | 16 int8 sc | d]
+//                                                      w = (d * sc) * (q - 32), sc per 16
+// W is [out_features, blocks per row, bytes per block] uint8; the block size names the
+// format.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,12 +37,15 @@ namespace {
 using simd::kLanes;
 using simd::vf;
 
-constexpr int64_t kBlockWeights = 32;
-constexpr int kChunks = kBlockWeights / kLanes;  // vectors per block
+// Every format is decoded 32 weights (a group) at a time: a K-quant super-block is 8
+// groups, each with its own scale (and minimum).
+constexpr int kGroupWeights = 32;
+constexpr int kChunks = kGroupWeights / kLanes;  // vectors per group
 constexpr int kMaxRows = 8;  // rows of x per pass over W (register accumulators)
 
-// Each format decodes one block into its kChunks vectors of weights, in order.
-// The 4-bit formats keep weights 0-15 in the low nibbles of their 16 bytes, 16-31 in the
+// Each format decodes group g of one block into its kChunks vectors of weights, in order,
+// given the block's Scales, which `scales(block)` reads once per block (the 32-weight
+// formats read their one scale as they decode). The 4-bit formats keep weights 0-15 in the low nibbles of their 16 bytes, 16-31 in the
 // high ones.
 template <typename Decode>
 inline void nibble_halves(const uint8_t* q, vf* out, const Decode& decode) {
@@ -43,31 +57,163 @@ inline void nibble_halves(const uint8_t* q, vf* out, const Decode& decode) {
   }
 }
 
-struct Q4_0 {
+struct OneGroup {  // a 32-weight block
+  static constexpr int64_t kWeights = 32;
+  struct Scales {};
+  static inline Scales scales(const uint8_t*) { return {}; }
+};
+
+struct Q4_0 : OneGroup {
   static constexpr int64_t kBytes = 18;
-  static inline void decode(const uint8_t* block, vf* out) {
+  static inline void decode(const uint8_t* block, Scales, int, vf* out) {
     const vf d = simd::set1(simd::half_at(block)), eight = simd::set1(8.f);
     nibble_halves(block + 2, out, [&](vf q) { return simd::mul(d, simd::sub(q, eight)); });
   }
 };
 
-struct Q4_1 {
+struct Q4_1 : OneGroup {
   static constexpr int64_t kBytes = 20;
-  static inline void decode(const uint8_t* block, vf* out) {
+  static inline void decode(const uint8_t* block, Scales, int, vf* out) {
     const vf d = simd::set1(simd::half_at(block)), m = simd::set1(simd::half_at(block + 2));
     // d * q is exact: one rounding, fused or not
     nibble_halves(block + 4, out, [&](vf q) { return simd::fma(q, d, m); });
   }
 };
 
-struct Q8_0 {
+// Q5_0 / Q5_1: 5-bit codes, the low nibble as in Q4_0, bit i of the u32 qh above weight i's
+inline vf five_bits(const uint8_t* qh, const uint8_t* qs, int c) {
+  uint32_t high;
+  std::memcpy(&high, qh, sizeof(high));
+  const int first = c * kLanes;  // the chunk's first weight: nibbles of byte first % 16
+  const vf low = simd::bits(qs + first % 16, 4 * (first / 16), 0x0F);
+  return simd::fma(simd::word_bits(high, first), simd::set1(16.f), low);  // exact
+}
+
+struct Q5_0 : OneGroup {
+  static constexpr int64_t kBytes = 22;
+  static inline void decode(const uint8_t* block, Scales, int, vf* out) {
+    const vf d = simd::set1(simd::half_at(block)), sixteen = simd::set1(16.f);
+    for (int c = 0; c < kChunks; ++c)
+      out[c] = simd::mul(d, simd::sub(five_bits(block + 2, block + 6, c), sixteen));
+  }
+};
+
+struct Q5_1 : OneGroup {
+  static constexpr int64_t kBytes = 24;
+  static inline void decode(const uint8_t* block, Scales, int, vf* out) {
+    const vf d = simd::set1(simd::half_at(block)), m = simd::set1(simd::half_at(block + 2));
+    for (int c = 0; c < kChunks; ++c) out[c] = simd::fma(five_bits(block + 4, block + 8, c), d, m);
+  }
+};
+
+struct Q8_0 : OneGroup {
   static constexpr int64_t kBytes = 34;
-  static inline void decode(const uint8_t* block, vf* out) {
+  static inline void decode(const uint8_t* block, Scales, int, vf* out) {
     const vf d = simd::set1(simd::half_at(block));
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
     for (int c = 0; c < kChunks; ++c) out[c] = simd::mul(simd::from_i8(q + c * kLanes), d);
   }
 };
+
+// Q4_K / Q5_K: each group's scale d * sc and minimum dmin * mn, both exact in fp32 (an
+// fp16 times a 6-bit integer); block bytes 4-15 pack the 6-bit sc, mn of the 8 groups
+// (ggml's get_scale_min_k4), counting from byte 4:
+//   bytes 0-3:  sc of groups 0-3 (bits 0-5), top 2 bits of sc of groups 4-7
+//   bytes 4-7:  mn of groups 0-3 (bits 0-5), top 2 bits of mn of groups 4-7
+//   bytes 8-11: low 4 bits of sc (bits 0-3) and of mn (bits 4-7) of groups 4-7
+struct KScales {
+  float scale[8], minus_min[8];
+};
+
+inline KScales k_scales(const uint8_t* block) {
+  const float d = simd::half_at(block), dmin = simd::half_at(block + 2);
+  const uint8_t* s = block + 4;
+  KScales out;
+  for (int g = 0; g < 4; ++g) {
+    out.scale[g] = d * static_cast<float>(s[g] & 63);
+    out.minus_min[g] = -(dmin * static_cast<float>(s[g + 4] & 63));
+    out.scale[g + 4] = d * static_cast<float>((s[g + 8] & 0x0F) | ((s[g] >> 6) << 4));
+    out.minus_min[g + 4] = -(dmin * static_cast<float>((s[g + 8] >> 4) | ((s[g + 4] >> 6) << 4)));
+  }
+  return out;
+}
+
+// Q4_K's 128 bytes of q: groups 2i and 2i+1 are the low and high nibbles of bytes 32i..
+struct Q4_K {
+  static constexpr int64_t kBytes = 144, kWeights = 256;
+  using Scales = KScales;
+  static inline Scales scales(const uint8_t* block) { return k_scales(block); }
+  static inline void decode(const uint8_t* block, const Scales& s, int g, vf* out) {
+    const vf scale = simd::set1(s.scale[g]), minus_min = simd::set1(s.minus_min[g]);
+    const uint8_t* q = block + 16 + 32 * (g / 2);
+    for (int c = 0; c < kChunks; ++c)  // (d * sc) * q exact: one rounding, as gguf's
+      out[c] = simd::fma(simd::bits(q + c * kLanes, 4 * (g % 2), 0x0F), scale, minus_min);
+  }
+};
+
+// Q5_K: Q4_K's nibbles, with bit g of qh byte i the fifth bit of group g's weight i
+struct Q5_K {
+  static constexpr int64_t kBytes = 176, kWeights = 256;
+  using Scales = KScales;
+  static inline Scales scales(const uint8_t* block) { return k_scales(block); }
+  static inline void decode(const uint8_t* block, const Scales& s, int g, vf* out) {
+    const vf scale = simd::set1(s.scale[g]), minus_min = simd::set1(s.minus_min[g]);
+    const uint8_t *qh = block + 16, *q = block + 48 + 32 * (g / 2);
+    for (int c = 0; c < kChunks; ++c) {
+      const vf low = simd::bits(q + c * kLanes, 4 * (g % 2), 0x0F);
+      const vf code = simd::fma(simd::bits(qh + c * kLanes, g, 1), simd::set1(16.f), low);
+      out[c] = simd::fma(code, scale, minus_min);
+    }
+  }
+};
+
+// Q6_K: two halves of 128 weights; in half h, group t (0-3) takes the low or high nibbles
+// (t / 2) of low-bit bytes 64h + 32 (t % 2).., and bits 2t, 2t+1 of high-bit bytes 32h..;
+// one int8 scale per 16 weights. d * sc * q < 2^11 * 2^7 * 2^6 units of d's last bit:
+// exact in fp32, and so is d * sc * (q - 32), gguf's product: one fused multiply-add of
+// q by d * sc less 32 d * sc gives it exactly.
+struct Q6_K {
+  static constexpr int64_t kBytes = 210, kWeights = 256;
+  struct Scales {
+    float scale[16], minus_32_scale[16];  // d * sc, one per 16 weights; -32 d * sc
+  };
+  static inline Scales scales(const uint8_t* block) {
+    const float d = simd::half_at(block + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    Scales out;
+    for (int i = 0; i < 16; ++i) {
+      out.scale[i] = d * static_cast<float>(sc[i]);
+      out.minus_32_scale[i] = -32.f * out.scale[i];
+    }
+    return out;
+  }
+  static inline void decode(const uint8_t* block, const Scales& s, int g, vf* out) {
+    const int h = g / 4, t = g % 4;
+    const uint8_t *low = block + 64 * h + 32 * (t % 2), *high = block + 128 + 32 * h;
+    for (int c = 0; c < kChunks; ++c) {
+      const vf code = simd::fma(simd::bits(high + c * kLanes, 2 * t, 3), simd::set1(16.f),
+                                simd::bits(low + c * kLanes, 4 * (t / 2), 0x0F));
+      const int i = 2 * g + c * kLanes / 16;
+      out[c] = simd::fma(code, simd::set1(s.scale[i]), simd::set1(s.minus_32_scale[i]));
+    }
+  }
+};
+
+// Calls fn(F{}) for the format whose blocks are `block_bytes` long; false if none is.
+template <typename Fn>
+bool with_format(int64_t block_bytes, const Fn& fn) {
+  switch (block_bytes) {
+    case Q4_0::kBytes: fn(Q4_0{}); return true;
+    case Q4_1::kBytes: fn(Q4_1{}); return true;
+    case Q5_0::kBytes: fn(Q5_0{}); return true;
+    case Q5_1::kBytes: fn(Q5_1{}); return true;
+    case Q8_0::kBytes: fn(Q8_0{}); return true;
+    case Q4_K::kBytes: fn(Q4_K{}); return true;
+    case Q5_K::kBytes: fn(Q5_K{}); return true;
+    case Q6_K::kBytes: fn(Q6_K{}); return true;
+    default: return false;
+  }
+}
 
 // R rows of W against M rows of x, as in small_gemm.cpp: the R rows' blocks are decoded
 // once into registers and used for every row of x. M x R accumulators, R x kChunks
@@ -89,18 +235,23 @@ void row_group(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_
   // The next group's rows follow these: prefetch them, spread over this loop.
   const char* ahead = reinterpret_cast<const char*>(w0 + R * row_bytes);
   constexpr int64_t ahead_step = R * F::kBytes;  // bytes of W one block step reads
-  for (int64_t b = 0; b < k_dim / kBlockWeights; ++b) {
+  for (int64_t b = 0; b < k_dim / F::kWeights; ++b) {
     for (int64_t o = 0; o < ahead_step; o += 64) simd::prefetch(ahead + o);
     simd::prefetch(ahead + ahead_step - 1);
     ahead += ahead_step;
-    vf weights[R][kChunks];
-    for (int r = 0; r < R; ++r) F::decode(w0 + r * row_bytes + b * F::kBytes, weights[r]);
-    const float* xb = x + b * kBlockWeights;
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < kChunks; ++c) {
-        const vf xv = simd::load(xb + m * k_dim + c * kLanes);
-        for (int r = 0; r < R; ++r) acc[m][r] = simd::fma(xv, weights[r][c], acc[m][r]);
-      }
+    typename F::Scales scales[R];
+    for (int r = 0; r < R; ++r) scales[r] = F::scales(w0 + r * row_bytes + b * F::kBytes);
+    for (int g = 0; g < F::kWeights / kGroupWeights; ++g) {
+      vf weights[R][kChunks];
+      for (int r = 0; r < R; ++r)
+        F::decode(w0 + r * row_bytes + b * F::kBytes, scales[r], g, weights[r]);
+      const float* xg = x + b * F::kWeights + g * kGroupWeights;
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < kChunks; ++c) {
+          const vf xv = simd::load(xg + m * k_dim + c * kLanes);
+          for (int r = 0; r < R; ++r) acc[m][r] = simd::fma(xv, weights[r][c], acc[m][r]);
+        }
+    }
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = simd::reduce_add(acc[m][r]);
@@ -134,7 +285,7 @@ void block_gemm_rows(int64_t rows, const float* x, const uint8_t* w, float* y, i
 template <typename F>
 void block_gemm_all(int64_t rows, const float* x, const uint8_t* w, float* y, int64_t k_dim,
                     int64_t n_dim) {
-  const int64_t row_bytes = k_dim / kBlockWeights * F::kBytes;
+  const int64_t row_bytes = k_dim / F::kWeights * F::kBytes;
   // more rows than the registers hold: one pass over W per group of kMaxRows
   for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows)
     block_gemm_rows<F>(std::min<int64_t>(kMaxRows, rows - m0), x + m0 * k_dim, w,
@@ -143,37 +294,48 @@ void block_gemm_all(int64_t rows, const float* x, const uint8_t* w, float* y, in
 
 }  // namespace
 
-bool block_gemm_supported(int64_t in_features, int64_t out_features) {
-  return in_features % kBlockWeights == 0 && out_features % 4 == 0;
+// Weights per block of the format with `block_bytes`-byte blocks; 0 for no such format.
+int64_t block_weights(int64_t block_bytes) {
+  int64_t weights = 0;
+  with_format(block_bytes, [&](auto format) { weights = decltype(format)::kWeights; });
+  return weights;
 }
 
+bool block_gemm_supported(int64_t in_features, int64_t out_features, int64_t block_bytes) {
+  const int64_t weights = block_weights(block_bytes);
+  return weights > 0 && in_features % weights == 0 && out_features % 4 == 0;
+}
+
+// blocks: [out_features, blocks per row, bytes per block] uint8; the block size names the
+// format.
 torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && blocks.dtype() == torch::kUInt8,
               "block_gemm: float32 x, uint8 blocks");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "block_gemm: 2-D x and blocks");
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3, "block_gemm: 2-D x, 3-D blocks [out, blocks, bytes]");
   x = x.contiguous();
   TORCH_CHECK(blocks.is_contiguous(), "block_gemm: contiguous blocks");
   const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = blocks.size(0);
-  TORCH_CHECK(rows >= 1 && block_gemm_supported(k_dim, n_dim),
-              "block_gemm: in_features % 32 == 0, out_features % 4 == 0");
+  const int64_t block_bytes = blocks.size(2), weights = block_weights(block_bytes);
+  TORCH_CHECK(weights > 0, "block_gemm: ", block_bytes, "-byte blocks are none of Q4_0, Q4_1, ",
+              "Q5_0, Q5_1, Q8_0 (32 weights), Q4_K, Q5_K, Q6_K (256 weights)");
+  TORCH_CHECK(rows >= 1 && block_gemm_supported(k_dim, n_dim, block_bytes),
+              "block_gemm: in_features % ", weights, " == 0, out_features % 4 == 0");
+  TORCH_CHECK(blocks.size(1) * weights == k_dim, "block_gemm: ", blocks.size(1), " blocks of ",
+              weights, " weights per row, for ", k_dim, " in_features");
   auto y = torch::empty({rows, n_dim}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t block_bytes = blocks.size(1) / (k_dim / kBlockWeights);
-  TORCH_CHECK(blocks.size(1) == block_bytes * (k_dim / kBlockWeights),
-              "block_gemm: row bytes are not a whole number of blocks");
-  switch (block_bytes) {
-    case Q4_0::kBytes: block_gemm_all<Q4_0>(rows, xp, wp, yp, k_dim, n_dim); break;
-    case Q4_1::kBytes: block_gemm_all<Q4_1>(rows, xp, wp, yp, k_dim, n_dim); break;
-    case Q8_0::kBytes: block_gemm_all<Q8_0>(rows, xp, wp, yp, k_dim, n_dim); break;
-    default: TORCH_CHECK(false, "block_gemm: ", block_bytes, "-byte blocks are not Q4_0, Q4_1 or Q8_0");
-  }
+  with_format(block_bytes, [&](auto format) {
+    block_gemm_all<decltype(format)>(rows, xp, wp, yp, k_dim, n_dim);
+  });
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
 
 void register_block_gemm(pybind11::module& m) {
-  m.def("block_gemm", &block_gemm, "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q8_0 blocks");
-  m.def("block_gemm_supported", &block_gemm_supported, "whether block_gemm takes these shapes");
+  m.def("block_gemm", &block_gemm,
+        "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks");
+  m.def("block_gemm_supported", &block_gemm_supported,
+        "whether block_gemm takes these shapes (in_features, out_features, bytes per block)");
 }

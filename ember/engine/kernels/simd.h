@@ -68,6 +68,18 @@ inline void nibbles(const uint8_t* p, vf& low, vf& high) {
   low = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
   high = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
 }
+// kLanes bytes -> kLanes floats of the bit field (byte >> shift) & mask
+inline vf bits(const uint8_t* p, int shift, int mask) {
+  const __m512i q = _mm512_srl_epi32(bytes_u(p), _mm_cvtsi32_si128(shift));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(mask)));
+}
+// one bit per lane: lane i = (word >> (first + i)) & 1
+inline vf word_bits(uint32_t word, int first) {
+  const __m512i shifts = _mm512_add_epi32(
+      _mm512_set1_epi32(first), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i q = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(1)));
+}
 
 #elif defined(__AVX2__)
 constexpr const char* kIsa = "avx2";
@@ -110,6 +122,15 @@ inline void nibbles(const uint8_t* p, vf& low, vf& high) {
   const __m256i q = bytes_u(p);
   low = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
   high = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+}
+inline vf bits(const uint8_t* p, int shift, int mask) {
+  const __m256i q = _mm256_srl_epi32(bytes_u(p), _mm_cvtsi32_si128(shift));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(mask)));
+}
+inline vf word_bits(uint32_t word, int first) {
+  const __m256i shifts = _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(1)));
 }
 
 #else
@@ -172,6 +193,14 @@ inline void nibbles(const uint8_t* p, vf& low, vf& high) {
   const vb q = bytes(p);
   low = __builtin_convertvector(q & static_cast<uint8_t>(0x0F), vf);
   high = __builtin_convertvector(q >> 4, vf);
+}
+inline vf bits(const uint8_t* p, int shift, int mask) {
+  return __builtin_convertvector((bytes(p) >> shift) & static_cast<uint8_t>(mask), vf);
+}
+inline vf word_bits(uint32_t word, int first) {
+  vi q;
+  for (int i = 0; i < kLanes; ++i) q[i] = (word >> (first + i)) & 1;
+  return __builtin_convertvector(q, vf);
 }
 #endif
 
