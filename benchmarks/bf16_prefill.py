@@ -2,7 +2,8 @@
 
 One engine per run (prefix caching off, so every prompt is computed), greedy, one new
 token each: a 286- and a 512-token prompt alone, then 4 prompts of 286 tokens at once
-(one 512-token step and a 632-token one). Medians of `--repeats` runs, after a warm-up,
+(one 512-token step and a 632-token one); then, with `--decode-seqs N`, one decode step
+of N sequences (16-token prompts; 33 new tokens each minus 1, over 32 steps). Medians of `--repeats` runs, after a warm-up,
 of the wall time and of the process's CPU time (at `--threads 1` the CPU time is the work
 itself, which other processes on a shared box barely change), and the process's resident
 memory once the model is loaded. Prints one JSON line.
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--precision", default="ieee")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--decode-seqs", type=int, default=0, help="also time decode steps")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,7 +66,23 @@ def main() -> None:
             cpus.append(time.process_time() - cpu)
         result[f"prefill_{name}_s"] = round(statistics.median(walls), 4)
         result[f"prefill_{name}_cpu_s"] = round(statistics.median(cpus), 4)
+    if args.decode_seqs:
+        result["decode_step_cpu_ms"] = _decode_step_ms(llm, args.decode_seqs, args.repeats)
     print(json.dumps(result))
+
+
+def _decode_step_ms(llm, num_seqs: int, repeats: int) -> float:
+    """CPU ms of one decode step of `num_seqs` sequences (median over `repeats`)."""
+    prompts = _prompts(num_seqs, 16, 4)
+    steps = []
+    for _ in range(repeats):
+        cpu = time.process_time()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        prefill = time.process_time() - cpu
+        cpu = time.process_time()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True))
+        steps.append((time.process_time() - cpu - prefill) / 32)
+    return round(statistics.median(steps) * 1e3, 1)
 
 
 if __name__ == "__main__":
