@@ -124,8 +124,10 @@ class EngineConfig:
     min_prefill_tokens: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
-    # fp32 matmuls of prefill-sized batches on CPU: "ieee" (exact) or "bf16" (oneDNN may
-    # round the operands to bf16 and use AMX / AVX-512 BF16; the weights stay fp32)
+    # CPU steps of 16+ tokens (prefill, large decode batches): "ieee" (exact fp32), "bf16"
+    # (matmuls on a bf16 copy of the weights packed once, bf16 activations between them,
+    # bf16 prefill attention, on AMX / AVX-512 BF16; refused on CPUs without them) or "auto"
+    # (bf16 where the CPU has them, else ieee)
     matmul_precision: str = "ieee"
     # CPU decode steps of a GGUF model read its matrices in the block formats ember decodes
     # (gguf_loader.BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as the file's blocks,
@@ -168,9 +170,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, sdpa or cpu-paged; got {self.attention_backend!r}"
             )
-        if self.matmul_precision not in ("ieee", "bf16"):
+        if self.matmul_precision not in ("auto", "ieee", "bf16"):
             raise ValueError(
-                f"matmul_precision must be ieee or bf16; got {self.matmul_precision!r}"
+                f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
             )
         if self.kv_role not in ("mixed", "prefill", "decode"):
             raise ValueError(f"kv_role must be mixed, prefill or decode; got {self.kv_role!r}")

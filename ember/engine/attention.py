@@ -49,7 +49,9 @@ class AttentionBackend(ABC):
     Called by every attention layer once per step, with this step's q [T, H, D] and
     k, v [T, Hkv, D]. Must first store k and v at `meta.slot_mapping` in `kv_cache`
     (so later steps, and other sequences sharing prefix blocks, see them), then return
-    the attention output [T, H, D], causal within each sequence.
+    the attention output [T, H, D] in q's dtype, causal within each sequence.
+    k and v come in the cache's dtype; q may come in a lower one (bf16 prefill steps on
+    CPU), in which prefill attention then runs (decode attention reads the cache as is).
     """
 
     @abstractmethod
@@ -82,10 +84,13 @@ class TorchSDPABackend(AttentionBackend):
     def _forward(self, q, k, v, kv_cache, meta, scale):
         self._write(k, v, kv_cache, meta.slot_mapping)
         if not meta.prefills:  # decodes only: the common step
-            return self._decode(q, kv_cache, meta, scale)
+            return self._decode(q.to(kv_cache.dtype), kv_cache, meta, scale).to(q.dtype)
+        if not meta.num_decodes and len(meta.prefills) == 1:  # one chunk: no copy into `out`
+            return self._prefill(q, k, v, kv_cache, meta.prefills[0], scale)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], kv_cache, meta, scale)
+            decodes = q[: meta.num_decodes].to(kv_cache.dtype)
+            out[: meta.num_decodes] = self._decode(decodes, kv_cache, meta, scale)
         for seq in meta.prefills:
             chunk = slice(seq.query_start, seq.query_start + seq.query_len)
             out[chunk] = self._prefill(q[chunk], k[chunk], v[chunk], kv_cache, seq, scale)
@@ -121,8 +126,8 @@ class TorchSDPABackend(AttentionBackend):
             mask = _causal_mask(seq.query_len, seq.context_len, q.device)
         out = F.scaled_dot_product_attention(
             q,
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
+            keys.unsqueeze(0).to(q.dtype),  # bf16 prefill: SDPA runs on AMX / AVX-512 BF16
+            values.unsqueeze(0).to(q.dtype),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,

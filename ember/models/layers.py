@@ -6,7 +6,6 @@ through each parameter's `weight_loader(param, tensor, shard_id)`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -47,6 +46,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None and x.dtype != residual.dtype:
+            x = x.to(residual.dtype)  # a bf16 matmul's output joins the fp32 residual stream
         kernels = cpu_kernels_for(x) if x.dim() == 2 else None
         if residual is None:
             if kernels is not None:
@@ -77,9 +78,11 @@ class Linear(nn.Module):
     - PACKED_MIN_ROWS and up (prefill): oneDNN on a packed copy of W, which costs W's
       size again; MKL's GEMM re-packs W on every call;
     - otherwise, and off CPU: F.linear. The C++ decode layer makes the same choice.
-    With `bf16_products`, fp32 matmuls of BF16_MIN_ROWS rows and more let oneDNN round
-    their operands to bf16 (AMX / AVX-512 BF16: 2-4x faster prefill); fewer rows stay
-    exact, and so does everything outside these matmuls (SDPA slows down in that mode).
+    With `bf16_prefill` (CPUs with AMX or AVX-512 BF16), the packed copy is W in bf16
+    instead, made once, and every matmul of BF16_MIN_ROWS rows and more (prefill, large
+    decode batches) multiplies bf16 x by it and returns bf16 y, which the model carries
+    into the next op; fewer rows keep the choices above on the fp32 W (or its blocks),
+    with F.linear where they took the packed copy (no fp32 one is kept).
     With `weight_dtype=torch.bfloat16` W itself is stored in bf16 (half the bytes every
     decode step streams) while x and y stay fp32: the small GEMM widens W in registers
     (x exact), larger batches round x to bf16 for oneDNN and widen its bf16 result.
@@ -91,7 +94,7 @@ class Linear(nn.Module):
         self.bias = new_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None
         self.small_gemm = None  # ember's AVX-512 kernel for 1-8 rows, when it applies
-        self.bf16_products = False
+        self.bf16_prefill = False  # rows >= BF16_MIN_ROWS: bf16 x, bf16 `packed`, bf16 y
         # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]
         self.blocks: torch.Tensor | None = None
         self.block_gemm = None  # ember's kernel over `blocks`, when it applies
@@ -99,16 +102,15 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.bf16_prefill and rows >= BF16_MIN_ROWS:
+            return self._packed_linear(x.to(torch.bfloat16))  # bf16 out, for the next op
         if self.block_gemm is not None and rows <= BLOCK_GEMM_MAX_ROWS:
             return self.block_gemm(x, self.blocks, self.bias)
         if self.small_gemm is not None and rows <= SMALL_GEMM_MAX_ROWS:
             return self.small_gemm(x.contiguous(), self.weight, self.bias)
         if self.weight.dtype != x.dtype:  # bf16 weights under fp32 activations
             return self._mixed_linear(x)
-        if self.packed is not None and rows >= PACKED_MIN_ROWS:
-            if self.bf16_products and rows >= BF16_MIN_ROWS:
-                with fp32_matmul_precision("bf16"):
-                    return self._packed_linear(x)
+        if self.packed is not None and self.packed.dtype == x.dtype and rows >= PACKED_MIN_ROWS:
             return self._packed_linear(x)
         return F.linear(x, self.weight, self.bias)
 
@@ -143,12 +145,15 @@ class Linear(nn.Module):
             self._block_parts = {}
 
     def pack_for_cpu(
-        self, bf16_products: bool = False, weight_dtype: torch.dtype | None = None
+        self, bf16_prefill: bool = False, weight_dtype: torch.dtype | None = None
     ) -> None:
         if weight_dtype is not None and weight_dtype != self.weight.dtype:
             self.weight.data = self.weight.data.to(weight_dtype)
-        self.bf16_products = bf16_products and self.weight.dtype == torch.float32
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        self.bf16_prefill = bf16_prefill
+        packed_dtype = torch.bfloat16 if bf16_prefill else self.weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            self.weight.detach().to(packed_dtype), 16
+        )  # in bf16 mode the only packed copy: no fp32 one is kept
         from ember.engine.kernels import cpu_kernels
 
         kernels = cpu_kernels()  # x is fp32 on CPU (can_pack_for_cpu); W fp32 or bf16
@@ -173,21 +178,24 @@ PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
-BF16_MIN_ROWS = 16  # measured: below this oneDNN's bf16 path is slower than its fp32 one
+# bf16_prefill: from here on the bf16 packed copy runs 2.3x (16 rows) to 4x (64 rows)
+# faster than oneDNN's fp32 (SmolLM2's layer, 1 thread); fewer rows stay exact
+BF16_MIN_ROWS = 16
 
 
-@contextlib.contextmanager
-def fp32_matmul_precision(precision: str):
-    """oneDNN's fp32 matmul precision ("ieee", "bf16") inside this block only: the setting
-    is process-wide, and other engines in the process must not see it (one stepping in
-    another thread at that very moment would: engines in one process step in turn)."""
-    matmul = torch.backends.mkldnn.matmul
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = precision
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16); elsewhere oneDNN
+    emulates bf16, slower than fp32."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    found = [getattr(torch.cpu, name, None) for name in probes]
+    if all(probe is not None for probe in found):
+        return any(probe() for probe in found)
     try:
-        yield
-    finally:
-        matmul.fp32_precision = previous
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:

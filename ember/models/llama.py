@@ -15,6 +15,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.models.layers import (
+    BF16_MIN_ROWS,
     BLOCK_GEMM_MAX_ROWS,
     PACKED_MIN_ROWS,
     Linear,
@@ -49,14 +50,17 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden, kv_cache, meta: AttentionMetadata, cos_sin):
         num_tokens = hidden.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, -1)
+        qkv = self.qkv_proj(hidden)
+        attn_dtype = qkv.dtype  # bf16 in a bf16 prefill step on CPU, where hidden is fp32
+        # q/k norm, rotary and the KV cache in the residual stream's dtype
+        qkv = qkv.to(hidden.dtype).view(num_tokens, num_qk_heads + self.num_kv_heads, -1)
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]
         if self.qk_norm:
             qk = torch.cat(
                 [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], 1
             )
         qk = apply_rotary(qk, *cos_sin)  # q and k heads rotated in one go
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        q, k = qk[:, : self.num_heads].to(attn_dtype), qk[:, self.num_heads :]
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -102,11 +106,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
         self.fused_decode: FusedDecode | None = None  # set up by pack_for_cpu
+        self.fused_decode_max_rows = 1 << 30  # BF16_MIN_ROWS - 1 under bf16_prefill
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden = F.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        if self.fused_decode is not None and not meta.prefills:
+        fused = hidden.shape[0] <= self.fused_decode_max_rows  # else bf16, in the layers below
+        if self.fused_decode is not None and not meta.prefills and fused:
             return self.fused_decode(hidden, cos_sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -132,7 +138,8 @@ class FusedDecode:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         weights = norms + [lin.weight for lin in linears]
-        packed = [lin.packed for lin in linears]
+        # a bf16 packed copy under fp32 weights is for prefill only (bf16_prefill)
+        packed = [lin.packed if lin.packed.dtype == lin.weight.dtype else None for lin in linears]
         return weights, packed, [lin.blocks for lin in linears], attn.qkv_proj.bias
 
     def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
@@ -171,19 +178,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
+        """Logits in the residual stream's dtype (16+ rows under bf16_prefill multiply in bf16)."""
+        return self.lm_head(self.model.norm(hidden)).to(hidden.dtype)
 
     def pack_for_cpu(
-        self, bf16_products: bool = False, weight_dtype: torch.dtype | None = None
+        self, bf16_prefill: bool = False, weight_dtype: torch.dtype | None = None
     ) -> None:
-        """Moves every matmul weight into oneDNN's layout, in `weight_dtype` if given
-        (see Linear.pack_for_cpu; a tied lm_head converts the embedding table with it)."""
+        """Moves every matmul weight into oneDNN's layout, in `weight_dtype` if given, or in
+        bf16 for `bf16_prefill` (see Linear.pack_for_cpu; a tied lm_head converts the
+        embedding table with it)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu(bf16_products, weight_dtype)
+                module.pack_for_cpu(bf16_prefill, weight_dtype)
         backend = self.model.layers[0].self_attn.backend
         if isinstance(backend, CPUPagedBackend) and not self.config.qk_norm:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)
+        if bf16_prefill:  # decode batches of BF16_MIN_ROWS and more run in bf16 too
+            self.model.fused_decode_max_rows = BF16_MIN_ROWS - 1
 
     def load_gguf_blocks(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hands each matmul the raw GGUF blocks of its weight (Hugging Face names, as
