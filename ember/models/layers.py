@@ -73,8 +73,9 @@ class Linear(nn.Module):
       loader's BLOCK_FORMATS (`load_blocks`): ember's block GEMM, which decodes those
       blocks in registers to exactly the fp32 W (bit-identical results, 4-7x fewer bytes
       streamed per step);
-    - up to SMALL_GEMM_MAX_ROWS (decode): ember's AVX-512 small GEMM, which streams W
-      once (measured: 18% faster than oneDNN at 4 rows, 8% faster than MKL at 1);
+    - up to SMALL_GEMM_MAX_ROWS (decode): ember's small GEMM (the CPU's vector build of
+      it), which streams W once (measured: 18% faster than oneDNN at 4 rows, 8% faster
+      than MKL at 1);
     - PACKED_MIN_ROWS and up (prefill): oneDNN on a packed copy of W, which costs W's
       size again; MKL's GEMM re-packs W on every call;
     - otherwise, and off CPU: F.linear. The C++ decode layer makes the same choice.
@@ -93,7 +94,7 @@ class Linear(nn.Module):
         self.weight = new_param(out_features, in_features)
         self.bias = new_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None
-        self.small_gemm = None  # ember's AVX-512 kernel for 1-8 rows, when it applies
+        self.small_gemm = None  # ember's kernel for 1-8 rows, when it applies
         self.bf16_prefill = False  # rows >= BF16_MIN_ROWS: bf16 x, bf16 `packed`, bf16 y
         # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]
         self.blocks: torch.Tensor | None = None
