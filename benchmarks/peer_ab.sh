@@ -22,7 +22,7 @@ EMBER=$!
 exec_vllm() {
   exec "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
       --served-model-name smollm2 --dtype "${VLLM_DTYPE:-bfloat16}" --max-model-len 4096 \
-      --port 8101 --host 127.0.0.1
+      --port 8101 --host 127.0.0.1 --enable-auto-tool-choice --tool-call-parser hermes
 }
 (VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 exec_vllm > /tmp/peer/vllm.log 2>&1) &
 VLLM=$!
