@@ -53,7 +53,10 @@ def cases(module):
         yield f"small fp32, {rows} rows", lambda x=x: module.small_gemm(x, w, None)
     q, k, v = torch.randn(8, 9, 64), torch.randn(512, 16, 3, 64), torch.randn(512, 16, 3, 64)
     tables, lens = torch.randperm(512)[: 8 * 60].view(8, 60), torch.full((8,), 900)
-    yield "paged attention 8 x 900", lambda: module.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    yield (
+        "paged attention 8 x 900",
+        lambda: module.paged_decode_attention(q, k, v, tables, lens, 0.125),
+    )
 
 
 def main() -> None:

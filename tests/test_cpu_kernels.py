@@ -231,5 +231,7 @@ def test_ember_cpu_isa_forces_a_build_and_refuses_one_the_cpu_cannot_run(monkeyp
     cpu_isa("avx512")
     monkeypatch.setattr(module, "cpu_flags", lambda: AMD_AVX2)
     monkeypatch.setattr(module, "_is_x86", lambda: True)
-    with pytest.raises(ValueError, match=r"EMBER_CPU_ISA=avx512: .*lacks avx512bw, .*runs avx2, generic"):
+    with pytest.raises(
+        ValueError, match=r"EMBER_CPU_ISA=avx512: .*lacks avx512bw, .*runs avx2, generic"
+    ):
         module.selected_isa()
