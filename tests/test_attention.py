@@ -66,13 +66,18 @@ def run_step(backend, kv_cache, seqs, num_done):
     return dict(zip(order, out.split([len(seqs[i][0]) - num_done[i] for i in order]), strict=True))
 
 
-# the C++ decode kernel keeps its sums in registers for head sizes of 4 or 8 vectors
-# (64 and 128 floats with AVX-512, 32 and 64 with 8-lane vectors), takes vector-wide dot
-# products for multiples of the vector width, and plain loops otherwise; every build the
-# CPU runs is checked
-@pytest.mark.parametrize("head_dim", [D, 40, 64, 96, 128])
+# the C++ decode kernel holds a KV head's query group in registers for heads of 2, 4 or 8
+# vectors and groups up to 8 (while the sums fit: group x vectors <= 24), else keeps its
+# sums in registers for heads of 4 or 8 vectors (64 and 128 floats with AVX-512, 32 and
+# 64 with 8-lane vectors), takes vector-wide dot products for multiples of the vector
+# width, and plain loops otherwise; every build the CPU runs is checked
+@pytest.mark.parametrize(
+    "head_dim, group",
+    [(D, GROUP), (40, GROUP), (64, GROUP), (96, GROUP), (128, GROUP), (64, 1), (64, 4),
+     (64, 7), (128, 2), (16, 8)],
+)  # fmt: skip
 @pytest.mark.parametrize("name", ["sdpa", *(f"auto-{isa}" for isa in supported_isas())])
-def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_dim, cpu_isa):
+def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_dim, group, cpu_isa):
     if name.startswith("auto-"):
         name, isa = name.split("-")
         cpu_isa(isa)
@@ -88,7 +93,7 @@ def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_di
         num_blocks = -(-n // BS)
         table = free[used : used + num_blocks]
         used += num_blocks
-        q, k, v = (torch.randn(n, heads, head_dim) for heads in (H, HKV, HKV))
+        q, k, v = (torch.randn(n, heads, head_dim) for heads in (HKV * group, HKV, HKV))
         seqs.append((q, k, v, table))
     # fill the cache with what earlier steps would have written
     for (_, k, v, table), n0 in zip(seqs, done, strict=True):

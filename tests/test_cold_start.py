@@ -1,6 +1,6 @@
 """What a start costs: the KV pool takes no memory until requests use it (privately or in
-the shared-memory file of a prefill worker), and the API process of `ember serve` loads
-no torch. (`test_bench_startup.py` times a real start, phase by phase.)"""
+the shared-memory file of a prefill worker) or the engine, idle, takes its pages ahead of
+use, and the API process of `ember serve` loads no torch. (`test_bench_startup.py` times a real start, phase by phase.)"""
 
 from __future__ import annotations
 
@@ -93,6 +93,61 @@ def test_an_engine_starts_without_touching_its_pool_and_still_generates(
         assert 0 < used < pool / 100
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("shm", [False, True])
+@pytest.mark.parametrize("madvise", [True, False])  # False: the page-touching fallback
+def test_the_prefaulter_takes_every_page_and_changes_no_byte(shm, madvise):
+    layers, path = buffers.allocate(kv_shape(512), 4, torch.float32, "cpu", shm=shm)
+    try:
+
+        def write(tensors):
+            tensors[1][0, 3].fill_(-0.0)  # bytes an add of zero would change
+            tensors[2][1, 200].fill_(float("nan"))
+            tensors[3][0, 511, 15, 1].copy_(torch.arange(64.0))
+
+        write(layers)  # (no read of the rest: a read maps the zero page, "resident")
+        prefaulter = buffers.Prefaulter(layers, slice_bytes=100 * 64 << 10)  # 64 KiB a block
+        if not madvise:
+            prefaulter._madvise = None
+        assert prefaulter.blocks_per_step == 100 and not prefaulter.done
+        steps = 0
+        while prefaulter.step():
+            steps += 1
+            assert resident_bytes(layers) < sum(t.nbytes for t in layers)
+        assert steps + 1 == 6 and prefaulter.done and not prefaulter.step()  # 512 / 100
+        assert resident_bytes(layers) == sum(t.nbytes for t in layers)
+        expected = [torch.zeros_like(t) for t in layers]
+        write(expected)
+        for now, then in zip(layers, expected, strict=True):
+            assert torch.equal(now.view(torch.int32), then.view(torch.int32))
+    finally:
+        buffers.remove_shm(path)
+
+
+def test_an_idle_engine_takes_its_pool_ahead_of_use_and_generates_the_same(tiny_checkpoint):
+    config = EngineConfig(
+        model=str(tiny_checkpoint("llama")), kv_cache_memory=POOL_BYTES, max_model_len=256
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for prefault in (False, True):
+        core = EngineCore.from_config(config)
+        try:
+            kv = core.runner.kv_caches
+            assert core.has_idle_work()
+            while prefault and core.has_idle_work():
+                core.idle_work()
+            pool = sum(t.nbytes for t in kv)
+            assert (resident_bytes(kv) == pool) == prefault
+            core.add_request(EngineCoreRequest("a", list(range(5, 45)), params, 8, []))
+            outputs = []
+            while core.has_unfinished():
+                outputs += core.step()
+            tokens[prefault] = [t for o in outputs for t in o.new_token_ids]
+        finally:
+            core.close()
+    assert len(tokens[True]) == 8 and tokens[True] == tokens[False]
 
 
 API_IMPORTS = textwrap.dedent(

@@ -24,6 +24,7 @@ from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_cost import StepCostModel, StepShape
+from ember.kv.buffers import Prefaulter
 from ember.kv.connector import KVConnectorScheduler, KVConnectorWorker
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
 
@@ -56,6 +57,7 @@ class EngineCore:
         except BaseException:
             self.runner.free_kv_cache()  # no shared-memory file left behind
             raise
+        self.prefaulter = Prefaulter(self.runner.kv_caches)  # pages ahead of use, when idle
         self.step_cost = StepCostModel()
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -196,6 +198,14 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.connector.num_loading > 0
+
+    def has_idle_work(self) -> bool:
+        """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter)."""
+        return not self.prefaulter.done
+
+    def idle_work(self) -> None:
+        """One short slice of it (milliseconds); call only when no step is due."""
+        self.prefaulter.step()
 
     def has_runnable(self) -> bool:
         """Work a step can do now (not only waiting for KV to arrive)."""

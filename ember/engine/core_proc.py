@@ -59,7 +59,8 @@ class EngineCoreProc:
         while not self.stopping:
             busy = core.has_runnable()
             pending = core.has_unfinished() or core.holds_kv()  # KV arriving or held
-            timeout = 0 if busy else KV_POLL_MS if pending else IDLE_POLL_MS
+            spare = not busy and not pending and core.has_idle_work()
+            timeout = 0 if busy or spare else KV_POLL_MS if pending else IDLE_POLL_MS
             received = bool(poller.poll(timeout))
             if not received and not pending and os.getppid() != parent_pid:
                 logger.warning("frontend process is gone; engine core exits")
@@ -69,6 +70,8 @@ class EngineCoreProc:
                 self._send(EngineCoreOutputs([], core.stats(), errors))
                 acknowledged, errors = core.num_sequences_received, []
             outputs = core.step() if core.has_unfinished() or core.holds_kv() else []
+            if spare and not received:
+                core.idle_work()  # KV pages ahead of use, a few ms at a time
             state = (core.kv_cache.num_free_blocks, core.connector.num_loading)
             if outputs or received or busy or state != last_state:  # stats go out on changes
                 self._send(EngineCoreOutputs(outputs, core.stats(), errors))

@@ -102,6 +102,92 @@ bool weighted_sum_fast(const float* p, int64_t len, const ValueAt& value_at, flo
   return false;
 }
 
+// Asks for the cache lines of floats [p, p + count) ahead of use
+inline void prefetch(const float* p, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
+}
+
+// One (sequence, KV head) of decode attention when the head is NV whole vectors and G query
+// heads share the KV head: the G queries stay in registers, every key and value is loaded
+// once for all of them, and the context is walked block by block (no division per token).
+// The arithmetic is dot_lanes' and weighted_sum's, in the same order: results are
+// bit-identical to the general path below.
+template <int NV, int G>
+void attend_kv_head(const float* q, const float* keys, const float* values, const int64_t* table,
+                    int64_t len, int64_t block_size, int64_t token_stride, float scale,
+                    float* scores, float* out) {
+  using simd::kLanes;
+  constexpr int64_t head_dim = NV * kLanes;
+  const int64_t block_stride = block_size * token_stride;
+  simd::vf qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) qv[g][c] = simd::load(q + g * head_dim + c * kLanes);
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+    const float* key = keys + table[b] * block_stride;
+    // the next block's keys are fetched while this block's are used
+    const float* ahead = b + 1 < num_blocks ? keys + table[b + 1] * block_stride : nullptr;
+    const int64_t n = std::min(block_size, len - start);
+    for (int64_t i = 0; i < n; ++i, key += token_stride) {
+      if (ahead != nullptr) prefetch(ahead + i * token_stride, head_dim);
+      simd::vf kv[NV];
+      for (int c = 0; c < NV; ++c) kv[c] = simd::load(key + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        simd::vf acc[4] = {simd::zero(), simd::zero(), simd::zero(), simd::zero()};
+        for (int c = 0; c < NV; ++c) acc[c & 3] = simd::fma(qv[g][c], kv[c], acc[c & 3]);
+        const simd::vf sum = simd::add(simd::add(acc[0], acc[1]), simd::add(acc[2], acc[3]));
+        scores[g * len + start + i] = simd::reduce_add(sum) * scale;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_(scores + g * len, len);
+  simd::vf acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = simd::zero();
+  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+    const float* value = values + table[b] * block_stride;
+    const float* ahead = b + 1 < num_blocks ? values + table[b + 1] * block_stride : nullptr;
+    const int64_t n = std::min(block_size, len - start);
+    for (int64_t i = 0; i < n; ++i, value += token_stride) {
+      if (ahead != nullptr) prefetch(ahead + i * token_stride, head_dim);
+      simd::vf vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = simd::load(value + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        const simd::vf weight = simd::set1(scores[g * len + start + i]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = simd::fma(weight, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) simd::store(out + g * head_dim + c * kLanes, acc[g][c]);
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
+                          int64_t, int64_t, float, float*, float*);
+
+// The fast path for this head shape, or null: heads of 2, 4 or 8 vectors, up to 8 query
+// heads per KV head, as long as the sums fit the vector registers (G * NV <= 24)
+template <int NV>
+AttendFn attend_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_kv_head<NV, 1>;
+    case 2: return &attend_kv_head<NV, 2>;
+    case 3: return NV * 3 <= 24 ? &attend_kv_head<NV, 3> : nullptr;
+    case 4: return NV * 4 <= 24 ? &attend_kv_head<NV, 4> : nullptr;
+    case 5: return NV * 5 <= 24 ? &attend_kv_head<NV, 5> : nullptr;
+    case 6: return NV * 6 <= 24 ? &attend_kv_head<NV, 6> : nullptr;
+    case 8: return NV * 8 <= 24 ? &attend_kv_head<NV, 8> : nullptr;
+    default: return nullptr;
+  }
+}
+
+AttendFn attend_for(int64_t head_dim, int64_t group) {
+  if (head_dim == 2 * simd::kLanes) return attend_for_group<2>(group);
+  if (head_dim == 4 * simd::kLanes) return attend_for_group<4>(group);
+  if (head_dim == 8 * simd::kLanes) return attend_for_group<8>(group);
+  return nullptr;
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
@@ -130,6 +216,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
     return dot(a, b, head_dim);
   };
 
+  const AttendFn attend = attend_for(head_dim, group);
+
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
@@ -138,6 +226,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
       TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "bad context length");
       scores.assign(group * len, 0.f);
       const float* q_seq = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      if (attend != nullptr) {
+        attend(q_seq, k_ptr + kv_head * head_dim, v_ptr + kv_head * head_dim,
+               table_ptr + seq * max_blocks, len, block_size, token_stride, fscale,
+               scores.data(), out_ptr + (seq * num_heads + kv_head * group) * head_dim);
+        continue;
+      }
       for (int64_t t = 0; t < len; ++t) {  // scores = q . k, block by block
         const int64_t block = table_ptr[seq * max_blocks + t / block_size];
         const float* key = k_ptr + (block * block_size + t % block_size) * token_stride +
