@@ -96,10 +96,18 @@ class Up:
         assert not child_pids(self.process.pid)
 
 
+# an idle engine core takes all of its KV pool's pages (the default: up to 4 GiB), so
+# servers that do not size their pool get a small one: many run at once in the suite
+TEST_KV_CACHE_MEMORY = ["--kv-cache-memory", "256M"]
+
+
 class EmberServer:
-    """`ember serve MODEL ARGS...` on a free port; `stop()` sends SIGTERM."""
+    """`ember serve MODEL ARGS...` on a free port; `stop()` sends SIGTERM. Without a
+    `--kv-cache-memory` in `args`, the pool is TEST_KV_CACHE_MEMORY."""
 
     def __init__(self, model: str, *args: str, startup_timeout: float = 180.0) -> None:
+        if not any(arg.startswith("--kv-cache-memory") for arg in args):
+            args = (*args, *TEST_KV_CACHE_MEMORY)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, EMBER_LOG_LEVEL="WARNING")

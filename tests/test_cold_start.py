@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
+import httpx
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
 from ember.kv import buffers
 from ember.sampling_params import SamplingParams
+from server_utils import EmberServer
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 POOL_BYTES = 256 << 20
@@ -148,6 +151,30 @@ def test_an_idle_engine_takes_its_pool_ahead_of_use_and_generates_the_same(tiny_
         finally:
             core.close()
     assert len(tokens[True]) == 8 and tokens[True] == tokens[False]
+
+
+def rss_anon_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["RssAnon"].split()[0]) * 1024
+
+
+def test_an_idle_server_core_takes_its_pool_and_then_serves(tiny_checkpoint):
+    """The core process's loop does the idle work: a 1 GiB pool, several times the
+    process's own memory, becomes resident without a request, and requests still run."""
+    server = EmberServer(str(tiny_checkpoint("llama")), "--kv-cache-memory", "1G")
+    try:
+        deadline = time.monotonic() + 60
+        while rss_anon_bytes(server.core_pid) < 1 << 30 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rss_anon_bytes(server.core_pid) >= 1 << 30
+        body = {"model": str(tiny_checkpoint("llama")), "prompt": [5, 6, 7], "max_tokens": 4}
+        body |= {"ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert server.stop() == 0
 
 
 API_IMPORTS = textwrap.dedent(
