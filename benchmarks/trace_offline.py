@@ -1,0 +1,152 @@
+"""The conversation-trace workload replayed in process, step by step: where a serving
+engine's time goes, without the HTTP server or the client beside it.
+
+    python benchmarks/trace_offline.py --precision bf16 --max-step-ms 0 --prefault --kernel-times
+
+Sends the first 40 requests of the Mooncake conversation trace (16-token blocks, as
+`ember bench serve --workload trace` builds them; at most 12 output tokens each, about
+what the model answers there), 8 at a time like the client's --max-concurrency 8, and
+prints the wall time and step count; --steps prints every step's time and shape,
+--kernel-times the time in each of ember's C++ kernels (and the page faults they took),
+--prefault first gives the KV pool its pages as an idle server does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import resource
+import time
+import types
+from pathlib import Path
+
+import torch
+
+import ember.models.layers as layers
+from ember.bench.workloads import WordSource, trace_workload
+from ember.engine.kernels import cpu_kernels
+from ember.llm import LLM
+from ember.sampling_params import SamplingParams
+
+TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake-conversation_trace.jsonl"
+
+
+class TimedKernels:
+    """ember's kernel module with every call timed (seconds, calls, page faults by name)."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+        self.seconds, self.calls, self.faults = (collections.Counter() for _ in range(3))
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+        if not callable(fn):
+            return fn
+
+        def timed(*args):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            out = fn(*args)
+            self.seconds[name] += time.perf_counter() - start
+            self.calls[name] += 1
+            self.faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            return out
+
+        return timed
+
+
+def time_kernels(engine) -> TimedKernels:
+    timed = TimedKernels(cpu_kernels())
+
+    def kernels_for(x):
+        return timed if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+    layers.cpu_kernels_for = kernels_for
+    model = engine.core.runner.model
+    for module in model.modules():
+        if getattr(module, "block_gemm", None) is not None:
+            module.block_gemm = timed.block_gemm
+        if getattr(module, "small_gemm", None) is not None:
+            module.small_gemm = timed.small_gemm
+        if getattr(getattr(module, "backend", None), "kernels", None) is not None:
+            module.backend.kernels = timed
+    if model.model.fused_decode is not None:
+        model.model.fused_decode.kernels = timed
+    return timed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--precision", default="bf16", choices=["ieee", "bf16", "auto"])
+    p.add_argument("--max-step-ms", type=float, default=100.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--prefault", action="store_true")
+    p.add_argument("--kernel-times", action="store_true")
+    p.add_argument("--steps", action="store_true")
+    args = p.parse_args()
+    llm = LLM(
+        None,
+        matmul_precision=args.precision,
+        kv_cache_memory=1 << 30,
+        max_model_len=4096,
+        max_step_ms=args.max_step_ms,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    workload = types.SimpleNamespace(
+        trace=args.trace, trace_start=0, num_requests=40, trace_block_tokens=16,
+        seed=args.seed, trace_output_scale=1.0, time_scale=0,
+    )  # fmt: skip
+    sessions = trace_workload(WordSource(tokenizer, 0), workload)
+    prompts = [
+        tokenizer.apply_chat_template(
+            s.turns[0].messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for s in sessions
+    ]
+    llm.generate([list(range(100, 400))], SamplingParams(max_tokens=4))  # warm-up
+    if args.prefault:
+        while engine.core.has_idle_work():
+            engine.core.idle_work()
+    timed = time_kernels(engine) if args.kernel_times else None
+    scheduler, shapes, step_s = engine.core.scheduler, [], []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        shapes.append(None if out.empty else out.shape())
+        return out
+
+    scheduler.schedule = recording_schedule
+    pending, running = list(range(len(prompts))), set()
+    start = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < 8:
+            i = pending.pop(0)
+            params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+            engine.add_request(f"r{i}", engine.process_prompt(list(prompts[i])), params)
+            running.add(f"r{i}")
+        t = time.perf_counter()
+        outputs = engine.step()
+        step_s.append(time.perf_counter() - t)
+        running -= {o.request_id for o in outputs if o.finished}
+    wall = time.perf_counter() - start
+    print(
+        f"{args.precision}, --max-step-ms {args.max_step_ms:g}: {wall:.2f} s, {len(step_s)} "
+        f"steps, {sum(map(len, prompts))} prompt tokens, {12 * len(prompts)} output tokens"
+    )
+    if args.steps:
+        for seconds, shape in zip(step_s, shapes, strict=False):
+            print(f"  {seconds * 1e3:7.1f} ms  {shape}")
+    if timed is not None:
+        for name, seconds in timed.seconds.most_common():
+            print(
+                f"  {name}: {seconds:.3f} s, {timed.calls[name]} calls, "
+                f"{timed.faults[name]} page faults"
+            )
+
+
+if __name__ == "__main__":
+    main()
