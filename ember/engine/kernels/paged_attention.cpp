@@ -107,9 +107,31 @@ inline void prefetch(const float* p, int64_t count) {
   for (int64_t i = 0; i < count; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
 }
 
+// Calls visit(t, vectors) for each token t < len of one KV head's context (keys or values,
+// `base` pointing at the head in block 0), its NV vectors loaded, walking the blocks of
+// `table` in order (no division per token) and fetching the next block's lines ahead.
+template <int NV, typename Visit>
+inline void walk_context(const float* base, const int64_t* table, int64_t len,
+                         int64_t block_size, int64_t token_stride, const Visit& visit) {
+  constexpr int64_t head_dim = NV * simd::kLanes;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+    const float* token = base + table[b] * block_stride;
+    const float* ahead = b + 1 < num_blocks ? base + table[b + 1] * block_stride : nullptr;
+    const int64_t n = std::min(block_size, len - start);
+    for (int64_t i = 0; i < n; ++i, token += token_stride) {
+      if (ahead != nullptr) prefetch(ahead + i * token_stride, head_dim);
+      simd::vf vectors[NV];
+      for (int c = 0; c < NV; ++c) vectors[c] = simd::load(token + c * simd::kLanes);
+      visit(start + i, vectors);
+    }
+  }
+}
+
 // One (sequence, KV head) of decode attention when the head is NV whole vectors and G query
 // heads share the KV head: the G queries stay in registers, every key and value is loaded
-// once for all of them, and the context is walked block by block (no division per token).
+// once for all of them, and the context is walked block by block.
 // The arithmetic is dot_lanes' and weighted_sum's, in the same order: results are
 // bit-identical to the general path below.
 template <int NV, int G>
@@ -118,46 +140,32 @@ void attend_kv_head(const float* q, const float* keys, const float* values, cons
                     float* scores, float* out) {
   using simd::kLanes;
   constexpr int64_t head_dim = NV * kLanes;
-  const int64_t block_stride = block_size * token_stride;
   simd::vf qv[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) qv[g][c] = simd::load(q + g * head_dim + c * kLanes);
-  const int64_t num_blocks = (len + block_size - 1) / block_size;
-  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-    const float* key = keys + table[b] * block_stride;
-    // the next block's keys are fetched while this block's are used
-    const float* ahead = b + 1 < num_blocks ? keys + table[b + 1] * block_stride : nullptr;
-    const int64_t n = std::min(block_size, len - start);
-    for (int64_t i = 0; i < n; ++i, key += token_stride) {
-      if (ahead != nullptr) prefetch(ahead + i * token_stride, head_dim);
-      simd::vf kv[NV];
-      for (int c = 0; c < NV; ++c) kv[c] = simd::load(key + c * kLanes);
-      for (int g = 0; g < G; ++g) {
-        simd::vf acc[4] = {simd::zero(), simd::zero(), simd::zero(), simd::zero()};
-        for (int c = 0; c < NV; ++c) acc[c & 3] = simd::fma(qv[g][c], kv[c], acc[c & 3]);
-        const simd::vf sum = simd::add(simd::add(acc[0], acc[1]), simd::add(acc[2], acc[3]));
-        scores[g * len + start + i] = simd::reduce_add(sum) * scale;
-      }
-    }
-  }
+  walk_context<NV>(keys, table, len, block_size, token_stride,
+                   [&](int64_t t, const simd::vf* key) {
+                     for (int g = 0; g < G; ++g) {
+                       simd::vf acc[4] = {simd::zero(), simd::zero(), simd::zero(), simd::zero()};
+                       for (int c = 0; c < NV; ++c)
+                         acc[c & 3] = simd::fma(qv[g][c], key[c], acc[c & 3]);
+                       const simd::vf sum =
+                           simd::add(simd::add(acc[0], acc[1]), simd::add(acc[2], acc[3]));
+                       scores[g * len + t] = simd::reduce_add(sum) * scale;
+                     }
+                   });
   for (int g = 0; g < G; ++g) softmax_(scores + g * len, len);
   simd::vf acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = simd::zero();
-  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-    const float* value = values + table[b] * block_stride;
-    const float* ahead = b + 1 < num_blocks ? values + table[b + 1] * block_stride : nullptr;
-    const int64_t n = std::min(block_size, len - start);
-    for (int64_t i = 0; i < n; ++i, value += token_stride) {
-      if (ahead != nullptr) prefetch(ahead + i * token_stride, head_dim);
-      simd::vf vv[NV];
-      for (int c = 0; c < NV; ++c) vv[c] = simd::load(value + c * kLanes);
-      for (int g = 0; g < G; ++g) {
-        const simd::vf weight = simd::set1(scores[g * len + start + i]);
-        for (int c = 0; c < NV; ++c) acc[g][c] = simd::fma(weight, vv[c], acc[g][c]);
-      }
-    }
-  }
+  walk_context<NV>(values, table, len, block_size, token_stride,
+                   [&](int64_t t, const simd::vf* value) {
+                     for (int g = 0; g < G; ++g) {
+                       const simd::vf weight = simd::set1(scores[g * len + t]);
+                       for (int c = 0; c < NV; ++c)
+                         acc[g][c] = simd::fma(weight, value[c], acc[g][c]);
+                     }
+                   });
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) simd::store(out + g * head_dim + c * kLanes, acc[g][c]);
 }
