@@ -185,6 +185,63 @@ def test_write_kv_stores_rows_at_their_slots(kernels):
     assert cache_k.view(-1, 2, 8).abs().sum(dim=(1, 2)).nonzero().flatten().tolist() == [5, 17, 63]
 
 
+def masked_prefill_reference(q, keys, values, context_len, scale):
+    """torch's SDPA over a gathered context with the causal mask of a chunk whose queries
+    are the last len(q) positions: q [T, H, D], keys/values [context_len, Hkv, D]."""
+    query_pos = torch.arange(context_len - q.shape[0], context_len)
+    mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+# the tile holds 24 query rows (AVX-512) or 12 (8-lane builds): chunks of 1 row, of less
+# than a tile, of several tiles with a partial last one; contexts that end mid-vector,
+# blocks smaller and larger than a vector of keys, every group size up to 8
+@pytest.mark.parametrize(
+    "tokens, context, block_size, group",
+    [(1, 1, 16, 3), (5, 5, 16, 1), (37, 37, 16, 3), (100, 301, 16, 3), (31, 200, 5, 2),
+     (64, 64, 32, 4), (19, 90, 16, 7), (50, 130, 16, 8)],
+)  # fmt: skip
+def test_prefill_attention_reads_the_blocks_in_place_and_matches_sdpa(
+    tokens, context, block_size, group, kernels
+):
+    torch.manual_seed(tokens + context)
+    num_kv_heads = 2
+    for head_dim in kernels.prefill_head_dims:
+        num_blocks = -(-context // block_size)
+        key_cache = torch.randn(num_blocks + 3, block_size, num_kv_heads, head_dim)
+        value_cache = torch.randn_like(key_cache)
+        table = torch.randperm(num_blocks + 3)[:num_blocks]
+        keys = key_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
+        values = value_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
+        q = torch.randn(tokens, num_kv_heads * group, head_dim)
+        scale = head_dim**-0.5
+        out = kernels.paged_prefill_attention(q, key_cache, value_cache, table, context, scale)
+        expected = masked_prefill_reference(q, keys, values, context, scale)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_refuses_what_it_has_no_build_for(kernels):
+    key_cache = torch.zeros(4, 16, 1, 24)
+    with pytest.raises(RuntimeError, match="head_dim 24"):
+        kernels.paged_prefill_attention(
+            torch.zeros(3, 1, 24), key_cache, key_cache, torch.arange(4), 3, 1.0
+        )
+    key_cache = torch.zeros(4, 16, 1, kernels.prefill_head_dims[0])
+    q = torch.zeros(3, 1, kernels.prefill_head_dims[0])
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_prefill_attention(q, key_cache, key_cache, torch.tensor([7]), 3, 1.0)
+    with pytest.raises(RuntimeError, match="context_len"):  # more tokens than the blocks hold
+        kernels.paged_prefill_attention(q, key_cache, key_cache, torch.tensor([0]), 17, 1.0)
+
+
 def test_a_build_killed_mid_way_does_not_block_the_next_one():
     """torch's lock file, left behind by a build that was killed, is cleared (a fresh
     process would otherwise wait on it for ever); the kernels still load."""

@@ -36,6 +36,7 @@ logger = logging.getLogger("ember.engine")
 _HERE = Path(__file__).parent
 _SOURCES = (
     "paged_attention.cpp",
+    "prefill_attention.cpp",
     "layers.cpp",
     "decode_layer.cpp",
     "small_gemm.cpp",
