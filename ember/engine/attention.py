@@ -165,6 +165,7 @@ class CPUPagedBackend(TorchSDPABackend):
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
+        self.prefill_head_dims = frozenset(kernels.prefill_head_dims)
 
     def _write(self, k, v, kv_cache, slot_mapping):
         self.kernels.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
@@ -173,7 +174,7 @@ class CPUPagedBackend(TorchSDPABackend):
         """ember's kernel over the blocks in place (this chunk's keys are in the cache
         already), causal without a mask, in float32 also in a bf16 step: at SmolLM2's
         shapes 1.3-2x faster than torch's SDPA in either dtype (docs/benchmarks.md)."""
-        if q.shape[-1] not in self.kernels.prefill_head_dims:
+        if q.shape[-1] not in self.prefill_head_dims:
             return super()._prefill(q, k, v, kv_cache, seq, scale)
         out = self.kernels.paged_prefill_attention(
             q.float().contiguous(),

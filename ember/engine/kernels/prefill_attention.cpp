@@ -72,9 +72,10 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
                  int64_t block_size, int64_t token_stride, float scale, float* const* out) {
   constexpr int64_t head_dim = NV * kLanes;
   constexpr int R = kRows;
-  // rows summed together in the value pass: their sums and one value's NV vectors in
-  // registers, so each value vector loaded feeds RP multiply-adds
-  constexpr int RP = (kVectorRegisters - 2) / NV - 1 >= 4 ? 4 : ((kVectorRegisters - 2) / NV - 1 >= 2 ? 2 : 1);
+  // rows summed together in the value pass: their RP x NV sums and one value's NV vectors
+  // fit the registers, so each value vector loaded feeds RP multiply-adds
+  constexpr int kFit = (kVectorRegisters - 2) / NV - 1;
+  constexpr int RP = kFit >= 4 ? 4 : (kFit >= 2 ? 2 : 1);
   static_assert(R % RP == 0, "row groups must divide the tile");
   int64_t last = 0, first = pos[0];  // keys after the tile's last position are never seen
   for (int r = 0; r < num_rows; ++r) {
