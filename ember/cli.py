@@ -84,11 +84,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--matmul-precision",
         default=d.matmul_precision,
-        choices=["ieee", "bf16", "auto"],
-        help="CPU steps of 16+ tokens: ieee (exact fp32; the default), bf16 (weights packed "
-        "once in bf16, bf16 activations and prefill attention on AMX / AVX-512 BF16: 3-4x "
-        "faster prefill; refused on CPUs without them; smaller decode batches stay fp32) or "
-        "auto (bf16 where the CPU has them, else ieee)",
+        choices=envs.MATMUL_PRECISIONS,
+        help="CPU steps of 16+ tokens: ieee (exact fp32), bf16 (weights packed once in bf16, "
+        "bf16 activations, on AMX / AVX-512 BF16: 1.6-4x faster prefill; refused on CPUs "
+        "without them; smaller decode batches stay fp32) or auto (the default, or "
+        "$EMBER_MATMUL_PRECISION: bf16 where the CPU has them, else ieee)",
     )
     parser.add_argument(
         "--no-gguf-blocks",

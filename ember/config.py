@@ -11,8 +11,10 @@ reads these configs too, and does without torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ember import envs
 
 if TYPE_CHECKING:
     import torch
@@ -126,9 +128,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
     # CPU steps of 16+ tokens (prefill, large decode batches): "ieee" (exact fp32), "bf16"
     # (matmuls on a bf16 copy of the weights packed once, bf16 activations between them,
-    # bf16 prefill attention, on AMX / AVX-512 BF16; refused on CPUs without them) or "auto"
-    # (bf16 where the CPU has them, else ieee)
-    matmul_precision: str = "ieee"
+    # on AMX / AVX-512 BF16; refused on CPUs without them) or "auto" (bf16 where the CPU
+    # has them, else ieee). The default is auto, or $EMBER_MATMUL_PRECISION where set:
+    # an environment variable reaches the engines of child processes too
+    matmul_precision: str = field(default_factory=envs.matmul_precision)
     # CPU decode steps of a GGUF model read its matrices in the block formats ember decodes
     # (gguf_loader.BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as the file's blocks,
     # decoded in registers to exactly the fp32 weights (same results, 2-3x faster)
@@ -170,7 +173,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, sdpa or cpu-paged; got {self.attention_backend!r}"
             )
-        if self.matmul_precision not in ("auto", "ieee", "bf16"):
+        if self.matmul_precision not in envs.MATMUL_PRECISIONS:
             raise ValueError(
                 f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
             )

@@ -29,6 +29,18 @@ def cluster_secret() -> bytes | None:
     return value.encode() if value else None
 
 
+MATMUL_PRECISIONS = ("auto", "ieee", "bf16")
+
+
+def matmul_precision() -> str:
+    """`matmul_precision` where none is given: $EMBER_MATMUL_PRECISION, else "auto" (one of
+    MATMUL_PRECISIONS); set in the environment, it reaches the engines of child processes."""
+    value = os.environ.get("EMBER_MATMUL_PRECISION", "").strip().lower() or "auto"
+    if value not in MATMUL_PRECISIONS:
+        raise ValueError(f"EMBER_MATMUL_PRECISION must be auto, ieee or bf16; got {value!r}")
+    return value
+
+
 CPU_ISAS = ("avx512", "avx2", "generic")  # ember's CPU kernel builds, fastest first
 
 

@@ -11,6 +11,10 @@ import torch
 from ember.config import EngineConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the suite checks exact fp32 (token for token with transformers in fp32) unless a test
+# names a precision; the engines of child processes (`ember serve`, `ember up`, AsyncLLM's
+# engine core) read the default from here too
+os.environ["EMBER_MATMUL_PRECISION"] = "ieee"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 VOCAB = 512

@@ -11,6 +11,8 @@ from test_models import PROMPTS, SMALL_KV, hf_reference, prefill_logits, token_i
 from transformers import AutoModelForCausalLM
 
 from ember import LLM, SamplingParams
+from ember.cli import build_parser
+from ember.config import EngineConfig
 from ember.models.layers import BF16_MIN_ROWS, Linear, cpu_has_bf16
 
 NEW_TOKENS = 16
@@ -167,3 +169,23 @@ def test_cpu_probe_agrees_with_cpuinfo():
     except OSError:
         pytest.skip("no /proc/cpuinfo")
     assert cpu_has_bf16() == bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_the_default_is_auto_unless_the_environment_names_one(
+    tiny_checkpoint, monkeypatch, has_bf16
+):
+    """No precision given: bf16 where the CPU has bf16 units, exact fp32 elsewhere;
+    $EMBER_MATMUL_PRECISION (which child processes inherit) overrides it."""
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.delenv("EMBER_MATMUL_PRECISION")
+    assert EngineConfig().matmul_precision == "auto"
+    assert build_parser().parse_args(["serve"]).matmul_precision == "auto"
+    llm = LLM(str(tiny_checkpoint("llama")), **SMALL_KV)
+    assert all(m.bf16_prefill == has_bf16 for m in _linears(llm))
+    monkeypatch.setenv("EMBER_MATMUL_PRECISION", "ieee")
+    assert EngineConfig().matmul_precision == "ieee"
+    assert build_parser().parse_args(["serve"]).matmul_precision == "ieee"
+    monkeypatch.setenv("EMBER_MATMUL_PRECISION", "bf17")
+    with pytest.raises(ValueError, match="EMBER_MATMUL_PRECISION must be auto, ieee or bf16"):
+        EngineConfig()
