@@ -15,6 +15,7 @@ import torch
 from ember import startup
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
+from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from ember.engine.sampler import Sampler, SamplerOutput
 from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -57,13 +58,14 @@ class ModelRunner:
             self.dtype = torch.float32
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
-        self.model = self._load_model(checkpoint, max_model_len)
+        model_cls = get_model_class(model_config.architecture)
+        self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(model_config)
+        self.model = self._load_model(model_cls, checkpoint, max_model_len)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shm_path: str | None = None
 
-    def _load_model(self, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
-        model_cls = get_model_class(self.model_config.architecture)
+    def _load_model(self, model_cls, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
         packs = can_pack_for_cpu(self.device, self.dtype)
         bf16_prefill = packs and self._bf16_prefill()  # refused before any weight is read
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
@@ -120,9 +122,8 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        cfg = self.model_config
-        elems = 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim
-        return cfg.num_hidden_layers * elems * self.dtype.itemsize
+        per_token = self.kv_spec.token_bytes(self.dtype)
+        return self.model_config.num_hidden_layers * self.block_size * per_token
 
     def kv_cache_budget(self) -> int:
         """Bytes for the KV cache: the user's figure, or a share of free memory."""
@@ -137,10 +138,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, shared: bool = False) -> None:
         """Allocates the KV tensors; `shared`: in one shared-memory file (CPU only)."""
-        cfg = self.model_config
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.kv_spec.shape(num_blocks, self.block_size)
         self.kv_caches, self.kv_shm_path = kv_buffers.allocate(
-            shape, cfg.num_hidden_layers, self.dtype, self.device, shm=shared
+            shape, self.model_config.num_hidden_layers, self.dtype, self.device, shm=shared
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GB)",

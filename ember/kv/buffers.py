@@ -1,9 +1,10 @@
 """An engine's KV tensors seen as blocks of bytes, and where they live.
 
-The model runner keeps one tensor per layer, `[2 (k, v), num_blocks, block_size, heads,
-head_dim]`, so block b of layer l is two contiguous chunks (its keys, its values).
-Blocks move layer by layer: for each layer, keys then values, for each block in the
-order given; runs of consecutive block ids are moved as one chunk.
+The model runner keeps one tensor per layer, `[parts, num_blocks, block_size, heads,
+head_dim]` (engine.kv_spec: two parts, keys and values, or one, MLA's latent), so block b
+of layer l is one contiguous chunk per part. Blocks move layer by layer: for each layer,
+part by part (keys then values), for each block in the order given; runs of consecutive
+block ids are moved as one chunk.
 
 A prefill worker on one host with its decode workers keeps its KV tensors in one file in
 /dev/shm (mode 0600, removed when the engine stops), so a decode worker can copy blocks
@@ -122,7 +123,7 @@ def chunks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> Itera
     """The bytes of `block_ids` in transfer order, as writable views into the tensors."""
     block_runs = runs(block_ids)
     for layer in kv_caches:
-        for kv in (0, 1):
+        for kv in range(layer.shape[0]):
             for first, count in block_runs:
                 part = layer[kv, first : first + count]
                 yield memoryview(part.view(torch.uint8).numpy()).cast("B")
@@ -154,8 +155,8 @@ class Prefaulter:
         first = self.next_block
         last = min(first + self.blocks_per_step, self.num_blocks)
         for layer in self.layers:
-            for kv in (0, 1):
-                self._populate(layer[kv, first:last])
+            for part in layer:
+                self._populate(part[first:last])
         self.next_block = last
         return not self.done
 
@@ -190,7 +191,7 @@ def block_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
     if not kv_caches:
         return 0
     layer = kv_caches[0]
-    return len(kv_caches) * 2 * layer[0, 0].numel() * layer.element_size()
+    return len(kv_caches) * layer.shape[0] * layer[0, 0].numel() * layer.element_size()
 
 
 def node_id() -> str:

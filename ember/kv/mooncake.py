@@ -99,13 +99,13 @@ class MooncakeTransport(Transport):
 
     @staticmethod
     def _plan(remote: RemotePrefill, src_ids, dst_caches, dst_ids):
-        """Local addresses, peer addresses and lengths: per layer, keys then values, per
-        stretch of consecutive blocks on both sides."""
+        """Local addresses, peer addresses and lengths: per layer, part by part (keys then
+        values), per stretch of consecutive blocks on both sides."""
         local, peer, lengths = [], [], []
-        block = dst_caches[0][0, 0].numel() * dst_caches[0].element_size()  # one layer's k
+        block = dst_caches[0][0, 0].numel() * dst_caches[0].element_size()  # one part's
         dst_blocks = dst_caches[0].shape[1]
         for layer, base in zip(dst_caches, remote.kv_addrs, strict=True):
-            for kv in (0, 1):
+            for kv in range(layer.shape[0]):
                 for src, dst, count in joint_runs(src_ids, dst_ids):
                     local.append(layer.data_ptr() + (kv * dst_blocks + dst) * block)
                     peer.append(base + (kv * remote.num_blocks + src) * block)

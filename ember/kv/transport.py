@@ -134,7 +134,7 @@ class ShmTransport(Transport):
     def _map(self, remote: RemotePrefill, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         caches = self._maps.get(remote.shm_path)
         if caches is None:
-            shape = (2, remote.num_blocks, *like[0].shape[2:])  # its cache, our block layout
+            shape = (like[0].shape[0], remote.num_blocks, *like[0].shape[2:])  # its blocks
             caches = map_shm(remote.shm_path, len(like), shape, like[0].dtype)
             self._maps[remote.shm_path] = caches
         return caches
@@ -157,9 +157,9 @@ def copy_blocks(src_caches, src_ids, dst_caches, dst_ids) -> int:
     dst = torch.tensor(list(dst_ids), dtype=torch.long)
     num_bytes = 0
     for src_layer, dst_layer in zip(src_caches, dst_caches, strict=True):
-        for kv in (0, 1):
-            blocks = src_layer[kv].index_select(0, src)
-            dst_layer[kv].index_copy_(0, dst, blocks)
+        for src_part, dst_part in zip(src_layer, dst_layer, strict=True):  # keys, values
+            blocks = src_part.index_select(0, src)
+            dst_part.index_copy_(0, dst, blocks)
             num_bytes += blocks.numel() * blocks.element_size()
     return num_bytes
 

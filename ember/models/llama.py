@@ -14,6 +14,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
+from ember.engine.kv_spec import KVCacheSpec
 from ember.models.layers import (
     BF16_MIN_ROWS,
     BLOCK_GEMM_MAX_ROWS,
@@ -66,9 +67,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size])
         self.down_proj = Linear(size, config.hidden_size)
 
@@ -164,6 +165,11 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
+    @staticmethod
+    def kv_cache_spec(config: ModelConfig) -> KVCacheSpec:
+        """Keys and values of every KV head, per token and layer."""
+        return KVCacheSpec(2, config.num_key_value_heads, config.head_dim)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
