@@ -11,6 +11,7 @@ reads these configs too, and does without torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,34 +21,106 @@ if TYPE_CHECKING:
     import torch
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (DeepSeek-V3, Kimi K2): the ramp between interpolated and extrapolated
+    # frequencies, and the magnitude scale of cos/sin (attention_factor; None: from
+    # mscale / mscale_all_dim as transformers infers it)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> RopeConfig:
         params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ROPE_TYPES:
             raise ValueError(
-                f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
+        original = int(params.get("original_max_position_embeddings", 8192))
+        factor = params.get("factor")
+        if factor is None and rope_type == "yarn":  # as transformers: the context's growth
+            factor = int(cfg.get("max_position_embeddings", original)) / original
+        attention_factor = params.get("attention_factor")
         return RopeConfig(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            factor=float(1.0 if factor is None else factor),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", 8192)
-            ),
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=float(params.get("mscale") or 0.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            truncate=bool(params.get("truncate", True)),
         )
+
+    @property
+    def magnitude(self) -> float:
+        """The factor cos and sin are scaled by (yarn's attention factor; else 1)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values are
+    up-projections of one compressed latent per token, which is what the cache keeps,
+    beside a rotary key shared by all heads."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are (x0, x1), (x2, x3), ... in the weights
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts: each token's MLP is `top_k` of `num_experts` experts (plus
+    shared ones), weighted by a router."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    scoring: str  # "sigmoid" (DeepSeek-V3: with a selection bias, group-limited) | "softmax"
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1  # experts in groups; a token picks from its topk_groups best groups
+    topk_groups: int = 1
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    dense_layers: frozenset[int] = frozenset()  # layers with a dense MLP instead
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -69,9 +142,12 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
+        cfg = _text_config(cfg)
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no `architectures`")
@@ -91,7 +167,12 @@ class ModelConfig:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            # MLA: the rotary part of a head, as transformers has it
+            head_dim=int(
+                cfg["qk_rope_head_dim"]
+                if arch in MLA_ARCHITECTURES
+                else cfg.get("head_dim") or hidden // heads
+            ),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -101,7 +182,58 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            mla=_mla_config(cfg) if arch in MLA_ARCHITECTURES else None,
+            moe=_moe_config(arch, cfg),
         )
+
+
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's language model (Kimi K2.5: a `text_config` of type
+    deepseek_v3) as a config of its own; other configs as they are."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or text.get("model_type") != "deepseek_v3":
+        return cfg
+    merged = {k: v for k, v in cfg.items() if k in ("eos_token_id", "bos_token_id")}
+    merged.update(text)
+    merged["architectures"] = list(text.get("architectures") or ["DeepseekV3ForCausalLM"])
+    return merged
+
+
+def _mla_config(cfg: dict[str, Any]) -> MLAConfig:
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    if arch != "DeepseekV3ForCausalLM":
+        return None
+    num_experts = int(cfg.get("n_routed_experts") or 0)
+    if not num_experts:
+        return None
+    size = int(cfg["moe_intermediate_size"])
+    first_moe = int(cfg.get("first_k_dense_replace") or 0)
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=size,
+        scoring="sigmoid",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        num_groups=int(cfg.get("n_group") or 1),
+        topk_groups=int(cfg.get("topk_group") or 1),
+        shared_intermediate_size=size * int(cfg.get("n_shared_experts") or 0),
+        dense_layers=frozenset(range(first_moe)),
+    )
 
 
 @dataclass(frozen=True)

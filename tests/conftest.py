@@ -45,10 +45,56 @@ COMMON = dict(
 )
 
 
-def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+# DeepSeek-V3's shapes scaled down: MLA (q through a LoRA, interleaved rotary pairs,
+# YaRN with mscale), 8 routed experts in 2 groups of which a token picks from 1, a shared
+# expert, a dense first layer; "deepseek_v3_plain": q in one projection, rotate-half
+# rotary, plain rope, 4 groups of which 2, no weight normalization
+DEEPSEEK = dict(
+    COMMON,
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
 
+
+def _configs():
+    from transformers import (
+        DeepseekV3Config,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    plain = dict(DEEPSEEK, q_lora_rank=None, rope_interleave=False, n_group=4, topk_group=2)
+    plain.update(norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     return {
+        "deepseek_v3": DeepseekV3Config(**DEEPSEEK),
+        "deepseek_v3_plain": DeepseekV3Config(**plain),
         "llama": LlamaConfig(**COMMON, tie_word_embeddings=True),
         "llama3": LlamaConfig(
             **COMMON,

@@ -123,7 +123,7 @@ class TorchSDPABackend(AttentionBackend):
             table = seq.block_ids.unsqueeze(0)
             keys = _gather(kv_cache[0], table)[0, :, : seq.context_len]
             values = _gather(kv_cache[1], table)[0, :, : seq.context_len]
-            mask = _causal_mask(seq.query_len, seq.context_len, q.device)
+            mask = causal_mask(seq.query_len, seq.context_len, q.device)
         out = F.scaled_dot_product_attention(
             q,
             keys.unsqueeze(0).to(q.dtype),  # bf16 prefill: SDPA runs on AMX / AVX-512 BF16
@@ -150,7 +150,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
     """Query i (at position context_len - query_len + i) sees keys at positions <= its own."""
     query_pos = torch.arange(context_len - query_len, context_len, device=device)
     key_pos = torch.arange(context_len, device=device)

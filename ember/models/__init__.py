@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ember.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ember.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -12,6 +13,7 @@ from ember.models.llama import (
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

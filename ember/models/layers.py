@@ -231,7 +231,31 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     return inv_freq
+
+
+def _yarn_inv_freq(dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: frequencies that turn often over the original context keep their value
+    (extrapolate), slow ones are divided by `factor` (interpolate), with a linear ramp
+    between the dimensions where `beta_fast` and `beta_slow` rotations fit in it."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate, 0: interpolate
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -258,8 +282,12 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        magnitude = rope.magnitude  # yarn's attention factor; 1 for the others
+        cos, sin = emb.cos(), emb.sin()
+        if magnitude != 1.0:
+            cos, sin = cos * magnitude, sin * magnitude
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """The tables' rows for this step's positions, [T, D] each (once per step)."""

@@ -1,0 +1,246 @@
+"""DeepSeek-V3 (and Kimi K2 / K2.5, which share its architecture): multi-head latent
+attention over a cache of latents (ember.engine.mla) and a mixture of experts with
+group-limited sigmoid routing and shared experts (ember.models.moe); the first
+`first_k_dense_replace` layers keep a dense MLP.
+
+Attribute names mirror transformers' modeling_deepseek_v3, so checkpoint keys map one to
+one; gate/up of the dense and shared MLPs are fused into one matmul; routed experts
+load from per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, what published
+checkpoints and transformers' save_pretrained write) or stacked ones
+(`mlp.experts.gate_up_proj`, transformers' in-memory layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import MLAConfig, ModelConfig, MoEConfig, yarn_mscale
+from ember.engine.attention import AttentionBackend, AttentionMetadata
+from ember.engine.kv_spec import KVCacheSpec
+from ember.engine.mla import MLABackend, MLAWeights
+from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, new_param
+from ember.models.llama import LlamaMLP
+from ember.models.moe import Experts, TopKRouter
+
+logger = logging.getLogger("ember.models")
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default, not the config's
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: MLABackend) -> None:
+        super().__init__()
+        mla: MLAConfig = config.mla
+        self.mla = mla
+        self.num_heads = heads = config.num_attention_heads
+        qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * qk_head_dim)
+        else:
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = Linear(mla.q_lora_rank, heads * qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+        self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
+        self.backend = backend
+        self.scale = qk_head_dim**-0.5
+        rope = config.rope
+        if rope.rope_type != "default" and rope.mscale_all_dim:  # yarn's softmax scale
+            self.scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+
+    def forward(self, hidden, kv_cache, meta: AttentionMetadata, cos_sin):
+        mla, dtype, num_tokens = self.mla, hidden.dtype, hidden.shape[0]
+        if mla.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden).to(dtype)))
+        q = q.to(dtype).view(num_tokens, self.num_heads, -1)
+        q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        compressed = self.kv_a_proj_with_mqa(hidden).to(dtype)
+        latent, k_rope = compressed.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        # q's and k's rotary parts rotated in one go: [T, heads + 1, rope]
+        rot = torch.cat([q_rope, k_rope.unsqueeze(1)], dim=1)
+        if mla.rope_interleave:  # pairs (x0, x1), (x2, x3) ... -> halves, then rotate-half
+            rot = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
+        rot = apply_rotary(rot, *cos_sin)
+        entry = torch.cat([latent, rot[:, -1]], dim=-1)  # what the cache keeps
+        weights = MLAWeights(
+            self.kv_b_proj.weight, self.num_heads, mla.qk_nope_head_dim, mla.v_head_dim,
+            mla.kv_lora_rank, self.scale,
+        )  # fmt: skip
+        out = self.backend.forward(
+            q_nope, rot[:, :-1], entry, kv_cache, meta, weights, self.kv_b_proj
+        )
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe: MoEConfig = config.moe
+        self.gate = TopKRouter(config.hidden_size, moe)
+        self.experts = Experts(config.hidden_size, moe)
+        self.shared_experts = (
+            LlamaMLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(hidden)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden).to(out.dtype)
+        return out
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: MLABackend, index: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(config, backend)
+        moe = config.moe is not None and config.moe.is_moe_layer(index)
+        self.mlp = DeepseekV3MoE(config) if moe else LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, kv_cache, meta, cos_sin):
+        """Returns (this layer's MLP output, the residual stream before adding it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, kv_cache, meta, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        backend = MLABackend()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = new_param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.mla.qk_rope_head_dim, max_positions, config.rope)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        hidden = F.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+        return hidden + residual
+
+
+# checkpoint names that are not this model's (multi-token prediction layers are matched
+# by index; a multimodal wrapper's vision parts by prefix)
+_OTHER_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    fused_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    @staticmethod
+    def kv_cache_spec(config: ModelConfig) -> KVCacheSpec:
+        """One latent vector and one rotary key per token and layer, for all heads."""
+        return KVCacheSpec(1, 1, config.mla.kv_lora_rank + config.mla.qk_rope_head_dim)
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config, max_positions)  # MLA brings its own attention
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).to(hidden.dtype)
+
+    def pack_for_cpu(
+        self, bf16_prefill: bool = False, weight_dtype: torch.dtype | None = None
+    ) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu(bf16_prefill, weight_dtype)
+            elif isinstance(module, Experts) and weight_dtype is not None:
+                module.gate_up_proj.data = module.gate_up_proj.data.to(weight_dtype)
+                module.down_proj.data = module.down_proj.data.to(weight_dtype)
+
+    def load_gguf_blocks(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """GGUF block decoding is not wired for this architecture yet: every matmul reads
+        its loaded weights."""
+        for _ in blocks:
+            pass
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into the parameters."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        expert_parts: Counter[str] = Counter()  # per stacked parameter: expert tensors loaded
+        skipped = 0
+        for name, tensor in weights:
+            name = name.removeprefix("language_model.")
+            layer = _LAYER.match(name)
+            if (
+                name.startswith(_OTHER_PREFIXES)
+                or "rotary_emb" in name
+                or (layer and int(layer.group(1)) >= self.config.num_hidden_layers)
+                or (name == "lm_head.weight" and self.config.tie_word_embeddings)
+            ):
+                skipped += 1
+                continue
+            expert = _EXPERT.match(name)
+            if expert is not None:
+                experts = modules.get(expert.group(1))
+                if not isinstance(experts, Experts):
+                    raise ValueError(f"checkpoint tensor {name!r} matches no expert layer")
+                experts.load_expert(int(expert.group(2)), expert.group(3), tensor)
+                stacked = "down_proj" if expert.group(3) == "down_proj" else "gate_up_proj"
+                expert_parts[f"{expert.group(1)}.{stacked}"] += 1
+                continue
+            target, shard = self._param_name(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter")
+            param = params[target]
+            tensor = tensor.to(param.dtype)
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add(target)
+        if skipped:
+            logger.info(
+                "%d checkpoint tensors are not used (multi-token prediction, vision)", skipped
+            )
+        for target, count in expert_parts.items():
+            per_expert = 1 if target.endswith("down_proj") else 2
+            if count == per_expert * self.config.moe.num_experts:
+                loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _param_name(self, name: str) -> tuple[str, int | None]:
+        for part, (fused, shard) in self.fused_params.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+        return name, None

@@ -1,0 +1,116 @@
+"""Mixture-of-experts layers: the router that picks each token's experts, and the
+experts, run grouped (every expert's matmuls once over the tokens routed to it).
+
+Expert weights are stacked as transformers holds them in memory: `gate_up_proj`
+[experts, 2 x intermediate, hidden] and `down_proj` [experts, hidden, intermediate];
+`load_expert` takes the per-expert tensors that published checkpoints (and
+transformers' save_pretrained) write, `experts.{e}.gate_proj.weight` and the like.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import MoEConfig
+from ember.models.layers import new_param, silu_and_mul
+
+
+class TopKRouter(nn.Module):
+    """Each token's `top_k` experts and their weights, in fp32 like transformers.
+
+    - "sigmoid" scoring (DeepSeek-V3, Kimi K2): sigmoid scores; the selection adds
+      `e_score_correction_bias` (it steers the choice, never the weights); experts come
+      in `num_groups` groups ranked by the sum of their two best biased scores, and a
+      token chooses among the `topk_groups` best groups only; the chosen experts' plain
+      scores, normalized to sum 1 if `norm_topk_prob`, times `routed_scaling_factor`;
+    - "softmax" scoring (Mixtral, Qwen3-MoE): softmax over all experts, the top_k
+      largest, renormalized if `norm_topk_prob`.
+    Ties go as torch.topk breaks them, the same calls as transformers makes.
+    """
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = new_param(moe.num_experts, hidden_size)
+        self.e_score_correction_bias = (
+            new_param(moe.num_experts) if moe.scoring == "sigmoid" else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] fp32, expert ids [T, top_k])."""
+        moe = self.moe
+        logits = F.linear(hidden.float(), self.weight.float())
+        if moe.scoring == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+            if moe.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, ids
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if moe.num_groups > 1:
+            grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            best = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+            keep = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, moe.num_experts)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """The routed experts of one layer (SwiGLU MLPs), run grouped by expert."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        size = moe.intermediate_size
+        self.num_experts = moe.num_experts
+        self.gate_up_proj = new_param(moe.num_experts, 2 * size, hidden_size)
+        self.down_proj = new_param(moe.num_experts, hidden_size, size)
+        # tokens routed to each expert since start (expert-load statistics)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
+        )
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """One expert's `gate_proj`, `up_proj` or `down_proj` weight ([out, in])."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range (the layer has {self.num_experts})")
+        size = self.down_proj.shape[2]
+        if part == "down_proj":
+            target = self.down_proj.data[expert]
+        else:
+            start = 0 if part == "gate_proj" else size
+            target = self.gate_up_proj.data[expert, start : start + size]
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"expert {expert} {part}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """sum over each token's experts e of weight_e * expert_e(token)."""
+        num_tokens, top_k = ids.shape
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.tokens_per_expert += counts.to(self.tokens_per_expert.device)
+        token_of = order // top_k
+        rows = hidden.index_select(0, token_of)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            part = slice(start, start + count)
+            gate_up = F.linear(rows[part], self.gate_up_proj[expert].to(rows.dtype))
+            out[part] = F.linear(silu_and_mul(gate_up), self.down_proj[expert].to(rows.dtype))
+            start += count
+        out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(hidden).index_add_(0, token_of, out)
