@@ -177,7 +177,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope=RopeConfig.from_hf(cfg),
             sliding_window=int(window) if window else None,
             eos_token_ids=eos_ids,
@@ -214,10 +214,41 @@ def _mla_config(cfg: dict[str, Any]) -> MLAConfig:
     )
 
 
+def _num_experts(cfg: dict[str, Any]) -> int:
+    """Routed experts, under any of the names configs give them (transformers 5 writes
+    num_local_experts for all; DeepSeek's own configs say n_routed_experts)."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
 def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    layers = range(int(cfg["num_hidden_layers"]))
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=_num_experts(cfg),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            scoring="softmax",
+            norm_topk_prob=True,
+        )
+    if arch == "Qwen3MoeForCausalLM":
+        step, dense = (
+            int(cfg.get("decoder_sparse_step") or 1),
+            set(cfg.get("mlp_only_layers") or []),
+        )
+        return MoEConfig(
+            num_experts=_num_experts(cfg),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            scoring="softmax",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            dense_layers=frozenset(i for i in layers if i in dense or (i + 1) % step),
+        )
     if arch != "DeepseekV3ForCausalLM":
         return None
-    num_experts = int(cfg.get("n_routed_experts") or 0)
+    num_experts = _num_experts(cfg)
     if not num_experts:
         return None
     size = int(cfg["moe_intermediate_size"])

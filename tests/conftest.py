@@ -86,8 +86,10 @@ def _configs():
         DeepseekV3Config,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     plain = dict(DEEPSEEK, q_lora_rank=None, rope_interleave=False, n_group=4, topk_group=2)
@@ -95,6 +97,25 @@ def _configs():
     return {
         "deepseek_v3": DeepseekV3Config(**DEEPSEEK),
         "deepseek_v3_plain": DeepseekV3Config(**plain),
+        # experts on layers 1 and 3 (every 2nd) but not 3 (mlp_only_layers): layer 1 only
+        "qwen3_moe": Qwen3MoeConfig(
+            **dict(COMMON, num_hidden_layers=4),
+            head_dim=32,
+            tie_word_embeddings=False,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            norm_topk_prob=True,
+        ),
+        "mixtral": MixtralConfig(
+            **COMMON,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),  # fmt: skip
         "llama": LlamaConfig(**COMMON, tie_word_embeddings=True),
         "llama3": LlamaConfig(
             **COMMON,

@@ -1,6 +1,7 @@
 """Mixture-of-experts and multi-head latent attention: DeepSeek-V3 (and the Kimi K2.5
-wrapper of it) against transformers on tiny random checkpoints, the latent cache, the
-router, and the latent layout handed from a prefill worker to a decode worker."""
+wrapper of it), Qwen3-MoE and Mixtral against transformers on tiny random checkpoints,
+the latent cache, the routers, and the latent layout handed from a prefill worker to a
+decode worker."""
 
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ from test_kv_connector import decode, make_core, prefill, run, settle, tokens
 from test_models import PROMPTS, SMALL_KV, prefill_logits, token_ids
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from ember import LLM, SamplingParams
 from ember.config import ModelConfig
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.mla import MLABackend, MLAWeights
-from ember.models.moe import TopKRouter
+from ember.models.moe import SparseMoE, TopKRouter
 from server_utils import WORKER_ARGS, EmberServer, Up
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 DEEPSEEK = ["deepseek_v3", "deepseek_v3_plain"]
+MOE = [*DEEPSEEK, "qwen3_moe", "mixtral"]
 _reference: dict[str, tuple] = {}
 
 
@@ -49,7 +53,7 @@ def assert_no_blocks_used(llm):
     assert kv.num_free_blocks == kv.num_blocks and kv.check_integrity()
 
 
-@pytest.mark.parametrize("arch", DEEPSEEK)
+@pytest.mark.parametrize("arch", MOE)
 def test_greedy_and_prefill_logits_match_transformers(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     model, expected = reference(path, arch)
@@ -68,6 +72,21 @@ def test_greedy_and_prefill_logits_match_transformers(tiny_checkpoint, arch):
     assert_no_blocks_used(llm)
     fresh = LLM(str(path), **SMALL_KV)
     torch.testing.assert_close(prefill_logits(fresh, PROMPTS[3]), theirs, atol=1e-4, rtol=0)
+
+
+def test_experts_sit_where_the_config_puts_them(tiny_checkpoint):
+    """Qwen3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers; DeepSeek:
+    from first_k_dense_replace on; and ember counts the tokens routed to each expert."""
+    for arch, moe_layers in (("qwen3_moe", [1]), ("deepseek_v3", [1, 2]), ("mixtral", [0, 1])):
+        llm = LLM(str(tiny_checkpoint(arch)), **SMALL_KV)
+        layers = llm.engine.core.runner.model.model.layers
+        assert [
+            i for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)
+        ] == moe_layers
+        llm.generate([PROMPTS[2]], GREEDY)
+        counts = layers[moe_layers[0]].mlp.experts.tokens_per_expert
+        top_k = llm.engine.core.runner.model_config.moe.top_k
+        assert int(counts.sum()) == (len(PROMPTS[2]) + NEW_TOKENS - 1) * top_k
 
 
 def test_forced_preemption_keeps_the_greedy_tokens(tiny_checkpoint):
@@ -117,24 +136,33 @@ def test_latent_decode_equals_expanded_attention():
     torch.testing.assert_close(latent_space[0], expanded, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", DEEPSEEK)
+ROUTERS = {
+    "deepseek_v3": DeepseekV3TopkRouter,
+    "deepseek_v3_plain": DeepseekV3TopkRouter,
+    "qwen3_moe": Qwen3MoeTopKRouter,
+    "mixtral": MixtralTopKRouter,
+}
+
+
+@pytest.mark.parametrize("arch", MOE)
 def test_router_picks_transformers_experts(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     hf_config = AutoConfig.from_pretrained(path)
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    theirs = DeepseekV3TopkRouter(hf_config)
+    theirs = ROUTERS[arch](hf_config)
     ours = TopKRouter(config.hidden_size, config.moe)
     torch.manual_seed(3)
     with torch.no_grad():
         theirs.weight.normal_()
-        theirs.e_score_correction_bias.normal_(std=0.1)
         ours.weight.copy_(theirs.weight)
-        ours.e_score_correction_bias.copy_(theirs.e_score_correction_bias)
+        if ours.e_score_correction_bias is not None:
+            theirs.e_score_correction_bias.normal_(std=0.1)
+            ours.e_score_correction_bias.copy_(theirs.e_score_correction_bias)
     hidden = torch.randn(64, config.hidden_size)
     hidden[:8] = 0  # every score 0.5: ties, broken as torch.topk breaks them
     with torch.no_grad():
         for trial in range(2):
-            if trial:  # no bias: ties in the scores that choose, too
+            if trial and ours.e_score_correction_bias is not None:  # ties in the choice too
                 theirs.e_score_correction_bias.zero_()
                 ours.e_score_correction_bias.zero_()
             _, their_weights, their_ids = theirs(hidden)

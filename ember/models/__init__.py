@@ -8,8 +8,10 @@ from ember.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ember.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -18,6 +20,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

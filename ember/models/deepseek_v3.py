@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.config import MLAConfig, ModelConfig, MoEConfig, yarn_mscale
+from ember.config import MLAConfig, ModelConfig, yarn_mscale
 from ember.engine.attention import AttentionBackend, AttentionMetadata
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.mla import MLABackend, MLAWeights
 from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, new_param
-from ember.models.llama import LlamaMLP
-from ember.models.moe import Experts, TopKRouter
+from ember.models.llama import moe_or_dense_mlp
+from ember.models.moe import Experts, ExpertTensors
 
 logger = logging.getLogger("ember.models")
 
@@ -85,30 +84,11 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class DeepseekV3MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        moe: MoEConfig = config.moe
-        self.gate = TopKRouter(config.hidden_size, moe)
-        self.experts = Experts(config.hidden_size, moe)
-        self.shared_experts = (
-            LlamaMLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
-        )
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(hidden)
-        out = self.experts(hidden, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden).to(out.dtype)
-        return out
-
-
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: MLABackend, index: int) -> None:
         super().__init__()
         self.self_attn = MLAttention(config, backend)
-        moe = config.moe is not None and config.moe.is_moe_layer(index)
-        self.mlp = DeepseekV3MoE(config) if moe else LlamaMLP(config)
+        self.mlp = moe_or_dense_mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -147,7 +127,6 @@ class DeepseekV3Model(nn.Module):
 # checkpoint names that are not this model's (multi-token prediction layers are matched
 # by index; a multimodal wrapper's vision parts by prefix)
 _OTHER_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -193,9 +172,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the parameters."""
         params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
+        experts = ExpertTensors(self)
         loaded: set[str] = set()
-        expert_parts: Counter[str] = Counter()  # per stacked parameter: expert tensors loaded
         skipped = 0
         for name, tensor in weights:
             name = name.removeprefix("language_model.")
@@ -208,14 +186,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             ):
                 skipped += 1
                 continue
-            expert = _EXPERT.match(name)
-            if expert is not None:
-                experts = modules.get(expert.group(1))
-                if not isinstance(experts, Experts):
-                    raise ValueError(f"checkpoint tensor {name!r} matches no expert layer")
-                experts.load_expert(int(expert.group(2)), expert.group(3), tensor)
-                stacked = "down_proj" if expert.group(3) == "down_proj" else "gate_up_proj"
-                expert_parts[f"{expert.group(1)}.{stacked}"] += 1
+            if experts.load(name, tensor):
                 continue
             target, shard = self._param_name(name)
             if target not in params:
@@ -231,11 +202,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             logger.info(
                 "%d checkpoint tensors are not used (multi-token prediction, vision)", skipped
             )
-        for target, count in expert_parts.items():
-            per_expert = 1 if target.endswith("down_proj") else 2
-            if count == per_expert * self.config.moe.num_experts:
-                loaded.add(target)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(set(params) - loaded - experts.complete())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 

@@ -1,7 +1,11 @@
-"""The Llama family: Llama (1-3, SmolLM2), Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm).
+"""The Llama family: Llama (1-3, SmolLM2), Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm),
+and their mixture-of-experts kin: Mixtral (Mistral with softmax-routed experts) and
+Qwen3-MoE (Qwen3 with them on every `decoder_sparse_step`-th layer not in
+`mlp_only_layers`).
 
 Attribute names mirror Hugging Face's modeling files, so checkpoint keys map one to
-one; q/k/v and gate/up are fused into one matmul each and loaded shard by shard.
+one; q/k/v and gate/up are fused into one matmul each and loaded shard by shard; routed
+experts are stacked (ember.models.moe) and Mixtral's `block_sparse_moe` is read as `mlp`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ember.models.layers import (
     new_param,
     silu_and_mul,
 )
+from ember.models.moe import ExpertTensors, SparseMoE
 
 
 class LlamaAttention(nn.Module):
@@ -77,11 +82,22 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def moe_or_dense_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: the experts where the model has them there, else dense."""
+    moe = config.moe
+    if moe is None or not moe.is_moe_layer(layer):
+        return LlamaMLP(config)
+    shared = (
+        LlamaMLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    )
+    return SparseMoE(config.hidden_size, moe, shared)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, backend)
-        self.mlp = LlamaMLP(config)
+        self.mlp = moe_or_dense_mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -102,7 +118,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = new_param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
@@ -197,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_for_cpu(bf16_prefill, weight_dtype)
         backend = self.model.layers[0].self_attn.backend
-        if isinstance(backend, CPUPagedBackend) and not self.config.qk_norm:
+        fusable = not self.config.qk_norm and self.config.moe is None
+        if isinstance(backend, CPUPagedBackend) and fusable:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)
         if bf16_prefill:  # decode batches of BF16_MIN_ROWS and more run in bf16 too
             self.model.fused_decode_max_rows = BF16_MIN_ROWS - 1
@@ -217,8 +234,12 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the parameters."""
         params = dict(self.named_parameters())
+        experts = ExpertTensors(self)
         loaded: set[str] = set()
         for name, tensor in weights:
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            if experts.load(name, tensor):
+                continue
             if "rotary_emb" in name or (
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):
@@ -233,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param.weight_loader(param, tensor, shard)
             loaded.add(name)
-        self._check_complete(params, loaded)
+        self._check_complete(params, loaded | experts.complete())
 
     def _param_name(self, name: str) -> tuple[str, int | None]:
         for part, (fused, shard) in self.fused_params.items():
@@ -257,4 +278,12 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
     pass

@@ -9,6 +9,9 @@ transformers' save_pretrained) write, `experts.{e}.gate_proj.weight` and the lik
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,3 +117,59 @@ class Experts(nn.Module):
             start += count
         out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
         return torch.zeros_like(hidden).index_add_(0, token_of, out)
+
+
+class SparseMoE(nn.Module):
+    """A layer's MoE MLP: the router, the routed experts, and `shared_experts` (a dense
+    MLP every token goes through, or None) added to their sum."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, shared_experts: nn.Module | None):
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, moe)
+        self.experts = Experts(hidden_size, moe)
+        self.shared_experts = shared_experts
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(hidden)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden).to(out.dtype)
+        return out
+
+
+# a per-expert checkpoint tensor: `...mlp.experts.{e}.gate_proj.weight` (Mixtral's
+# w1 / w3 / w2 are gate / up / down)
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class ExpertTensors:
+    """Loads per-expert checkpoint tensors into a model's stacked expert parameters and
+    tells which of those every expert has filled."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+        self.counts: Counter[str] = Counter()
+
+    def load(self, name: str, tensor: torch.Tensor) -> bool:
+        """False if `name` is not a per-expert tensor."""
+        match = _EXPERT.match(name)
+        if match is None:
+            return False
+        layer = self.layers.get(match.group(1))
+        if layer is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no expert layer")
+        part = _MIXTRAL_PARTS.get(match.group(3), match.group(3))
+        layer.load_expert(int(match.group(2)), part, tensor)
+        stacked = "down_proj" if part == "down_proj" else "gate_up_proj"
+        self.counts[f"{match.group(1)}.{stacked}"] += 1
+        return True
+
+    def complete(self) -> set[str]:
+        """The stacked parameters (names) whose every expert was loaded."""
+        done = set()
+        for name, count in self.counts.items():
+            layer = self.layers[name.rsplit(".", 1)[0]]
+            if count == (1 if name.endswith("down_proj") else 2) * layer.num_experts:
+                done.add(name)
+        return done
