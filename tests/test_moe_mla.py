@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from test_kv_connector import decode, make_core, prefill, run, settle, tokens
 from test_models import PROMPTS, SMALL_KV, prefill_logits, token_ids
@@ -251,6 +253,37 @@ def test_kimi_k2_config_loads():
     spec = DeepseekV3ForCausalLM.kv_cache_spec(config)
     # bf16: 1152 bytes a token and layer, against 64 heads x (192 + 128) x 2 = 40960
     assert spec.token_bytes(torch.bfloat16) == 1152
+
+
+def test_metrics_count_the_tokens_each_expert_took(tiny_checkpoint):
+    server = EmberServer(str(tiny_checkpoint("qwen3_moe")), *WORKER_ARGS)
+    try:
+        prompt = list(range(10, 40))
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        deadline = time.monotonic() + 10
+        while True:  # the engine reports the counts when it goes idle
+            samples = [
+                s
+                for family in text_string_to_metric_families(
+                    httpx.get(f"{server.url}/metrics").text
+                )
+                for s in family.samples
+                if s.name.startswith("ember_moe_")
+            ]
+            tokens = {
+                s.labels["expert"]: s.value for s in samples if s.name == "ember_moe_expert_tokens"
+            }
+            if sum(tokens.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    # layer 1 is the one MoE layer: 8 experts, 2 a token, every token computed once
+    assert {s.labels["layer"] for s in samples} == {"1"} and len(tokens) == 8
+    assert sum(tokens.values()) == (len(prompt) + 6 - 1) * 2
+    imbalance = [s.value for s in samples if s.name == "ember_moe_expert_imbalance"]
+    assert imbalance == [max(tokens.values()) / (sum(tokens.values()) / 8)]
 
 
 # -- the latent layout handed over between workers --------------------------------------

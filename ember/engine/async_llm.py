@@ -137,6 +137,7 @@ class AsyncLLM:
         self._stopping = False
         blocks = self.client.ready.num_kv_blocks
         self._stats = EngineStats(0, 0, 0, 0, blocks, 0, 0)
+        self._expert_tokens: list[tuple[int, list[int]]] = []
         self._reader = threading.Thread(target=self._read_loop, name="ember-output", daemon=True)
         self._reader.start()
 
@@ -245,6 +246,10 @@ class AsyncLLM:
         """The engine's load as of its last message (safe from any thread)."""
         return self._stats
 
+    def expert_tokens(self) -> list[tuple[int, list[int]]]:
+        """MoE models: tokens routed to each expert of each MoE layer, as last reported."""
+        return self._expert_tokens
+
     def shutdown(self) -> None:
         self.fail_all("engine has shut down")
         self._stopping = True
@@ -274,6 +279,8 @@ class AsyncLLM:
         with self._lock:
             outputs, stopped = self.output_processor.process(message.outputs)
             self._stats = message.stats
+            if message.stats.expert_tokens is not None:
+                self._expert_tokens = message.stats.expert_tokens
             for error in message.errors:
                 sink = self._sinks.pop(error.request_id, None)
                 self.output_processor.abort(error.request_id)

@@ -70,6 +70,7 @@ class EngineCore:
             min_prefill_tokens=config.min_prefill_tokens,
         )
         self.step_stats = StepStats()
+        self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self.checkpoint = checkpoint
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -283,7 +284,19 @@ class EngineCore:
             step_error_seconds=self.step_stats.error_ms / 1e3,
             num_capped_steps=self.step_stats.num_capped,
             last_prefill_cap=self.step_stats.last_prefill_cap,
+            expert_tokens=self._expert_tokens(),
         )
+
+    def _expert_tokens(self) -> list[tuple[int, list[int]]] | None:
+        """The MoE layers' token counts, if a second has passed or the engine is idle."""
+        now = time.monotonic()
+        if now - self._expert_tokens_sent < 1.0 and self.has_unfinished():
+            return None
+        counts = self.runner.expert_tokens()
+        if not counts:
+            return None
+        self._expert_tokens_sent = now
+        return counts
 
 
 class StepStats:

@@ -23,6 +23,7 @@ from ember.kv import buffers as kv_buffers
 from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
 from ember.models.layers import Linear, can_pack_for_cpu, cpu_has_bf16
+from ember.models.moe import SparseMoE
 
 logger = logging.getLogger("ember.engine")
 
@@ -117,6 +118,15 @@ class ModelRunner:
             )
         logger.info("matmul_precision auto: no AMX or AVX-512 BF16 here, prefill stays exact fp32")
         return False
+
+    def expert_tokens(self) -> list[tuple[int, list[int]]]:
+        """(layer, tokens routed to each expert since start) for every MoE layer."""
+        layers = getattr(getattr(self.model, "model", None), "layers", [])
+        return [
+            (i, layer.mlp.experts.tokens_per_expert.tolist())
+            for i, layer in enumerate(layers)
+            if isinstance(getattr(layer, "mlp", None), SparseMoE)
+        ]
 
     # -- KV cache -----------------------------------------------------------------------
 

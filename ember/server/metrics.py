@@ -83,6 +83,14 @@ class ServerMetrics:
             "ember_engine_step_budget_prefill_tokens", "The prefill tokens the step budget "
             "allowed the last step it shrank.", labels, registry=r,
         )  # fmt: skip
+        self.expert_tokens = Gauge(
+            "ember_moe_expert_tokens", "MoE models: tokens routed to each expert of each MoE "
+            "layer, since start.", [*labels, "layer", "expert"], registry=r,
+        )  # fmt: skip
+        self.expert_imbalance = Gauge(
+            "ember_moe_expert_imbalance", "MoE models: the busiest expert's tokens over the "
+            "mean, per MoE layer (1: balanced).", [*labels, "layer"], registry=r,
+        )  # fmt: skip
         self.startup = Gauge(
             "ember_startup_seconds", "When each start-up phase ended, in seconds since the "
             "server process began (ember.startup).", ["model_name", "process", "phase"],
@@ -103,8 +111,13 @@ class ServerMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, stats, num_waiting: int) -> bytes:
+    def render(self, stats, num_waiting: int, expert_tokens=()) -> bytes:
         name = self.model_name
+        for layer, counts in expert_tokens:
+            for expert, count in enumerate(counts):
+                self.expert_tokens.labels(name, str(layer), str(expert)).set(count)
+            mean = sum(counts) / len(counts)
+            self.expert_imbalance.labels(name, str(layer)).set(max(counts) / mean if mean else 0)
         self.running.labels(name).set(stats.num_running)
         self.waiting.labels(name).set(num_waiting)
         self.kv_usage.labels(name).set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
