@@ -204,3 +204,36 @@ def test_the_api_process_loads_no_torch_and_spawns_the_core_first(tiny_checkpoin
         check=True,
     ).stdout
     assert out.strip().splitlines()[-2:] == ["[]", "[]"]
+
+
+def test_weights_are_read_through_a_mapping_made_again_every_window(tiny_checkpoint, monkeypatch):
+    """A file's pages count in resident memory while a mapping that touched them lasts:
+    the loader maps a checkpoint file anew every MAPPED_BYTES, yet yields each tensor
+    once, in order, and the model is the same."""
+    import safetensors
+
+    from ember import LLM
+    from ember.loader import checkpoint as checkpoint_module
+
+    path = tiny_checkpoint("deepseek_v3")
+    file = path / "model.safetensors"
+    with safetensors.safe_open(str(file), framework="pt") as f:
+        expected = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    opened = []
+    real_open = safetensors.safe_open
+
+    def counting_open(*args, **kwargs):
+        opened.append(args[0])
+        return real_open(*args, **kwargs)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    whole = LLM(str(path), kv_cache_memory=1 << 24).generate([[5, 6, 7, 8]], greedy)
+    monkeypatch.setattr(checkpoint_module, "MAPPED_BYTES", 16 << 10)
+    monkeypatch.setattr(safetensors, "safe_open", counting_open)
+    got = list(checkpoint_module.open_checkpoint(path).weights())
+    assert [name for name, _ in got] == list(expected)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in got)
+    total = sum(t.nbytes for t in expected.values())
+    assert len(opened) >= total // (16 << 10) // 2  # many windows, not one mapping
+    windowed = LLM(str(path), kv_cache_memory=1 << 24).generate([[5, 6, 7, 8]], greedy)
+    assert windowed[0].outputs[0].token_ids == whole[0].outputs[0].token_ids

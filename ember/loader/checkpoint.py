@@ -79,13 +79,17 @@ class Checkpoint:
             return None
 
     def _safetensors_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import SafetensorError, safe_open
+        """Every tensor of every file. A file's mapping is dropped and made again every
+        MAPPED_BYTES read: the pages a mapping has touched count in the process's resident
+        memory while it lasts, and a shard is several GB (resident memory at load would
+        be the weights twice over)."""
+        from safetensors import SafetensorError
 
         for file in self.files:
             try:
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                        yield name, f.get_tensor(name)
+                start: int | None = 0
+                while start is not None:
+                    start = yield from _some_tensors(file, start)
             except SafetensorError as exc:
                 raise ValueError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
 
@@ -134,3 +138,22 @@ def _safetensors_files(path: Path) -> list[Path]:
             "to load pickle. Convert them to safetensors first."
         )
     raise ValueError(f"{path} holds no *.safetensors weights")
+
+
+MAPPED_BYTES = 256 << 20
+
+
+def _some_tensors(file: Path, start: int):
+    """Tensors `start`, `start + 1`, ... of `file` under one mapping, until MAPPED_BYTES
+    are read; returns where the next mapping starts (None at the end)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        names, mapped = list(f.keys()), 0
+        for i in range(start, len(names)):
+            tensor = f.get_tensor(names[i])
+            yield names[i], tensor
+            mapped += tensor.nbytes
+            if mapped >= MAPPED_BYTES and i + 1 < len(names):
+                return i + 1
+    return None

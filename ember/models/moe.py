@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MoEConfig
-from ember.models.layers import new_param, silu_and_mul
+from ember.models.layers import SMALL_GEMM_MAX_ROWS, cpu_kernels_for, new_param, silu_and_mul
 
 
 class TopKRouter(nn.Module):
@@ -81,6 +81,18 @@ class Experts(nn.Module):
             "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
         )
 
+    def _small_gemm(self, rows: torch.Tensor):
+        """ember's kernel for an expert's matmuls over a few rows (fp32 x on CPU, fp32 or
+        bf16 W), where it applies; it reads W once (MKL's GEMM packs it first)."""
+        kernels = cpu_kernels_for(rows)
+        if kernels is None:
+            return None
+        hidden, size = self.down_proj.shape[1:]
+        fits = kernels.small_gemm_supported(1, hidden, 2 * size)
+        return (
+            kernels.small_gemm if fits and kernels.small_gemm_supported(1, size, hidden) else None
+        )
+
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """One expert's `gate_proj`, `up_proj` or `down_proj` weight ([out, in])."""
         if not 0 <= expert < self.num_experts:
@@ -107,13 +119,18 @@ class Experts(nn.Module):
         token_of = order // top_k
         rows = hidden.index_select(0, token_of)
         out = torch.empty_like(rows)
+        small = self._small_gemm(rows)
         start = 0
         for expert, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
             part = slice(start, start + count)
-            gate_up = F.linear(rows[part], self.gate_up_proj[expert].to(rows.dtype))
-            out[part] = F.linear(silu_and_mul(gate_up), self.down_proj[expert].to(rows.dtype))
+            gate_up, down = self.gate_up_proj[expert], self.down_proj[expert]
+            if small is not None and count <= SMALL_GEMM_MAX_ROWS:  # decode: W streamed once
+                out[part] = small(silu_and_mul(small(rows[part], gate_up, None)), down, None)
+            else:
+                gate_up = F.linear(rows[part], gate_up.to(rows.dtype))
+                out[part] = F.linear(silu_and_mul(gate_up), down.to(rows.dtype))
             start += count
         out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
         return torch.zeros_like(hidden).index_add_(0, token_of, out)
