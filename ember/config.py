@@ -144,6 +144,9 @@ class ModelConfig:
     bos_token_id: int | None
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    # DeepSeek-V3's multi-token-prediction layers after the last decoder layer (loaded and
+    # kept for speculative decoding; plain decoding does not run them)
+    num_mtp_layers: int = 0
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -183,6 +186,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             mla=_mla_config(cfg) if arch in MLA_ARCHITECTURES else None,
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0)
+            if arch in MLA_ARCHITECTURES
+            else 0,
             moe=_moe_config(arch, cfg),
         )
 

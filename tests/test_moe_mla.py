@@ -225,6 +225,41 @@ def test_kimi_k25_config_wraps_a_deepseek_v3_text_model(tiny_checkpoint, tmp_pat
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
+def test_multi_token_prediction_layers_are_loaded_and_kept(tiny_checkpoint, tmp_path):
+    """A checkpoint with an MTP layer (`model.layers.3.*` after 3 decoder layers, as
+    DeepSeek publishes them): its tensors land in `model.mtp[0]`, its copies of the
+    embedding and head are not loaded, and plain decoding does not change."""
+    path = tiny_checkpoint("deepseek_v3")
+    _, expected = reference(path, "deepseek_v3")
+    torch.manual_seed(5)
+
+    def add_mtp(tensors):
+        out = dict(tensors)
+        for name, tensor in tensors.items():
+            if name.startswith("model.layers.2."):  # a MoE layer's shapes
+                out[name.replace("layers.2.", "layers.3.")] = torch.randn_like(tensor)
+        extra = {"enorm.weight": (64,), "hnorm.weight": (64,), "eh_proj.weight": (64, 128),
+                 "shared_head.norm.weight": (64,), "shared_head.head.weight": (512, 64),
+                 "embed_tokens.weight": (512, 64)}  # fmt: skip
+        out.update({f"model.layers.3.{k}": torch.randn(shape) for k, shape in extra.items()})
+        return out
+
+    mtp = _rewrite(path, tmp_path / "mtp", lambda c: dict(c, num_nextn_predict_layers=1), add_mtp)
+    llm = LLM(str(mtp), **SMALL_KV)
+    model = llm.engine.core.runner.model
+    written = load_file(mtp / "model.safetensors")
+    assert len(model.mtp) == 1
+    mtp_layer = model.mtp[0]
+    assert torch.equal(mtp_layer.eh_proj.weight, written["model.layers.3.eh_proj.weight"])
+    assert torch.equal(mtp_layer.shared_head_norm.weight, written["model.layers.3.shared_head.norm.weight"])  # fmt: skip
+    experts = mtp_layer.layer.mlp.experts
+    assert torch.equal(experts.down_proj[5], written["model.layers.3.mlp.experts.5.down_proj.weight"])  # fmt: skip
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    # transformers' save_pretrained writes no MTP layer though its config names one
+    plain = LLM(str(path), **SMALL_KV).engine.core.runner
+    assert plain.model_config.num_mtp_layers == 1 and len(plain.model.mtp) == 0
+
+
 def test_kimi_k2_config_loads():
     """Kimi K2's published config.json (its shapes; DeepseekV3ForCausalLM, yarn, one
     group, 384 experts): every field ember reads."""

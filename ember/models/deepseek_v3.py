@@ -124,9 +124,29 @@ class DeepseekV3Model(nn.Module):
         return hidden + residual
 
 
-# checkpoint names that are not this model's (multi-token prediction layers are matched
-# by index; a multimodal wrapper's vision parts by prefix)
+class MultiTokenPredictor(nn.Module):
+    """One of DeepSeek-V3's multi-token-prediction (MTP) layers, `model.layers.{N + k}`
+    after the N decoder layers: it would predict a token further ahead from the last
+    layer's hidden state and the next token's embedding, `layer(eh_proj([enorm(embed) |
+    hnorm(hidden)]))`, then `shared_head.norm` and the model's lm_head. Loaded and kept for
+    speculative decoding; plain decoding never runs it. The embedding and output head are
+    the main model's (the checkpoint's copies of them are not loaded)."""
+
+    def __init__(self, config: ModelConfig, backend: MLABackend, index: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.eh_proj = Linear(2 * hidden, hidden)
+        self.layer = DeepseekV3DecoderLayer(config, backend, index)
+        self.shared_head_norm = RMSNorm(hidden, config.rms_norm_eps)
+
+
+# checkpoint names that are not this model's: a multimodal wrapper's vision parts, and
+# the copies of the embedding and output head in multi-token-prediction layers
 _OTHER_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+_MTP_COPIES = re.compile(r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -145,6 +165,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        backend = self.model.layers[0].self_attn.backend
+        layers = config.num_hidden_layers
+        self.mtp = nn.ModuleList(
+            MultiTokenPredictor(config, backend, layers + k) for k in range(config.num_mtp_layers)
+        )
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
@@ -176,12 +201,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         loaded: set[str] = set()
         skipped = 0
         for name, tensor in weights:
-            name = name.removeprefix("language_model.")
-            layer = _LAYER.match(name)
+            name = self._mtp_name(name.removeprefix("language_model."))
             if (
                 name.startswith(_OTHER_PREFIXES)
+                or _MTP_COPIES.match(name)
                 or "rotary_emb" in name
-                or (layer and int(layer.group(1)) >= self.config.num_hidden_layers)
                 or (name == "lm_head.weight" and self.config.tie_word_embeddings)
             ):
                 skipped += 1
@@ -200,11 +224,30 @@ class DeepseekV3ForCausalLM(nn.Module):
             loaded.add(target)
         if skipped:
             logger.info(
-                "%d checkpoint tensors are not used (multi-token prediction, vision)", skipped
+                "%d checkpoint tensors are not used (copies in MTP layers, vision)", skipped
             )
-        missing = sorted(set(params) - loaded - experts.complete())
+        loaded |= experts.complete()
+        if self.mtp and not any(name.startswith("mtp.") for name in loaded):
+            logger.info("the checkpoint has no multi-token-prediction layers")
+            self.mtp = nn.ModuleList()  # transformers' save_pretrained writes none
+            params = dict(self.named_parameters())
+        missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _mtp_name(self, name: str) -> str:
+        """`model.layers.{N + k}.x` (an MTP layer's tensor) -> `mtp.{k}.x` or
+        `mtp.{k}.layer.x`; other names as they are."""
+        match = _LAYER.match(name)
+        if match is None or int(match.group(1)) < self.config.num_hidden_layers:
+            return name
+        k = int(match.group(1)) - self.config.num_hidden_layers
+        rest = name[match.end() :]
+        if rest.startswith(("embed_tokens.", "shared_head.head.")):
+            return name  # a copy of the main model's (skipped)
+        if rest.startswith("shared_head.norm."):
+            return f"mtp.{k}.shared_head_norm.{rest.removeprefix('shared_head.norm.')}"
+        return f"mtp.{k}.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.{k}.layer.{rest}"
 
     def _param_name(self, name: str) -> tuple[str, int | None]:
         for part, (fused, shard) in self.fused_params.items():
