@@ -22,22 +22,22 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SMALL_KV = dict(kv_cache_memory=1 << 24)
 
-_hf_cache: dict[str, tuple] = {}
+_hf_cache: dict[tuple[str, int], tuple] = {}
 
 
-def hf_reference(path, arch):
+def hf_reference(path, arch, new_tokens=NEW_TOKENS):
     """transformers' greedy continuations of PROMPTS and its model (cached per arch)."""
-    if arch not in _hf_cache:
+    if (arch, new_tokens) not in _hf_cache:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         outs = []
         for prompt in PROMPTS:
             ids = torch.tensor([prompt])
             gen = model.generate(
-                ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+                ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
             )
             outs.append(gen[0, len(prompt) :].tolist())
-        _hf_cache[arch] = (model, outs)
-    return _hf_cache[arch]
+        _hf_cache[arch, new_tokens] = (model, outs)
+    return _hf_cache[arch, new_tokens]
 
 
 def token_ids(outputs):

@@ -15,7 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from test_kv_connector import decode, make_core, prefill, run, settle, tokens
-from test_models import PROMPTS, SMALL_KV, prefill_logits, token_ids
+from test_models import PROMPTS, SMALL_KV, hf_reference, prefill_logits, token_ids
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
@@ -25,29 +25,18 @@ from ember import LLM, SamplingParams
 from ember.config import ModelConfig
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.mla import MLABackend, MLAWeights
-from ember.models.moe import SparseMoE, TopKRouter
+from ember.models.moe import Experts, SparseMoE, TopKRouter
 from server_utils import WORKER_ARGS, EmberServer, Up
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 DEEPSEEK = ["deepseek_v3", "deepseek_v3_plain"]
 MOE = [*DEEPSEEK, "qwen3_moe", "mixtral"]
-_reference: dict[str, tuple] = {}
 
 
 def reference(path, arch):
     """transformers' model and greedy continuations of PROMPTS (cached per arch)."""
-    if arch not in _reference:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        outs = []
-        for prompt in PROMPTS:
-            gen = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            outs.append(gen[0, len(prompt) :].tolist())
-        _reference[arch] = (model, outs)
-    return _reference[arch]
+    return hf_reference(path, arch, NEW_TOKENS)
 
 
 def assert_no_blocks_used(llm):
@@ -89,6 +78,26 @@ def test_experts_sit_where_the_config_puts_them(tiny_checkpoint):
         counts = layers[moe_layers[0]].mlp.experts.tokens_per_expert
         top_k = llm.engine.core.runner.model_config.moe.top_k
         assert int(counts.sum()) == (len(PROMPTS[2]) + NEW_TOKENS - 1) * top_k
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_bf16_weights_keep_the_experts_in_bf16_and_stay_near_fp32(tiny_checkpoint, arch):
+    """`dtype="bfloat16"` on CPU stores every matmul weight in bf16, the experts' too (half
+    the bytes a step reads), with fp32 activations: the logits stay closer to the fp32
+    model's, on average, than transformers' own bf16 run (routing near a tie can flip an
+    expert in either, so the worst row says little)."""
+    path = tiny_checkpoint(arch)
+    model, _ = reference(path, arch)
+    low = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        exact = model(torch.tensor([PROMPTS[3]])).logits[0]
+        theirs = low(torch.tensor([PROMPTS[3]])).logits[0].float()
+    llm = LLM(str(path), dtype="bfloat16", matmul_precision="ieee", **SMALL_KV)
+    experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)]
+    assert experts and all(e.gate_up_proj.dtype == torch.bfloat16 for e in experts)
+    ours = prefill_logits(llm, PROMPTS[3])
+    assert (ours - exact).abs().mean() < (theirs - exact).abs().mean()
+    assert token_ids(llm.generate(PROMPTS[1:2], GREEDY))[0]  # decodes (small GEMM on bf16 W)
 
 
 def test_forced_preemption_keeps_the_greedy_tokens(tiny_checkpoint):

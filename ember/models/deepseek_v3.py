@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MLAConfig, ModelConfig, yarn_mscale
 from ember.engine.attention import AttentionBackend, AttentionMetadata
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.mla import MLABackend, MLAWeights
-from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, new_param
-from ember.models.llama import moe_or_dense_mlp
-from ember.models.moe import Experts, ExpertTensors
+from ember.models.layers import Linear, RMSNorm, apply_rotary
+from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 logger = logging.getLogger("ember.models")
 
@@ -84,44 +81,15 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: MLABackend, index: int) -> None:
-        super().__init__()
-        self.self_attn = MLAttention(config, backend)
-        self.mlp = moe_or_dense_mlp(config, index)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden, residual, kv_cache, meta, cos_sin):
-        """Returns (this layer's MLP output, the residual stream before adding it)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, kv_cache, meta, cos_sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = MLAttention
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        backend = MLABackend()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = new_param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.mla.qk_rope_head_dim, max_positions, config.rope)
+class DeepseekV3Model(LlamaModel):
+    """Llama's stack of layers with MLA and experts; the rotary tables cover
+    qk_rope_head_dim (the config's head_dim for these models)."""
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        hidden = F.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
-        return hidden + residual
+    layer_cls = DeepseekV3DecoderLayer
 
 
 class MultiTokenPredictor(nn.Module):
@@ -145,12 +113,13 @@ class MultiTokenPredictor(nn.Module):
 # checkpoint names that are not this model's: a multimodal wrapper's vision parts, and
 # the copies of the embedding and output head in multi-token-prediction layers
 _OTHER_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
-_MTP_COPIES = re.compile(r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
-_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+_MTP_COPIES = ("embed_tokens.", "shared_head.head.")
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    model_cls = DeepseekV3Model
     fused_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     @staticmethod
@@ -159,98 +128,42 @@ class DeepseekV3ForCausalLM(nn.Module):
         return KVCacheSpec(1, 1, config.mla.kv_lora_rank + config.mla.qk_rope_head_dim)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV3Model(config, max_positions)  # MLA brings its own attention
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        backend = self.model.layers[0].self_attn.backend
+        backend = MLABackend()  # MLA brings its own attention
+        super().__init__(config, backend, max_positions)
         layers = config.num_hidden_layers
         self.mtp = nn.ModuleList(
             MultiTokenPredictor(config, backend, layers + k) for k in range(config.num_mtp_layers)
         )
+        self._num_skipped = 0
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).to(hidden.dtype)
-
-    def pack_for_cpu(
-        self, bf16_prefill: bool = False, weight_dtype: torch.dtype | None = None
-    ) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu(bf16_prefill, weight_dtype)
-            elif isinstance(module, Experts) and weight_dtype is not None:
-                module.gate_up_proj.data = module.gate_up_proj.data.to(weight_dtype)
-                module.down_proj.data = module.down_proj.data.to(weight_dtype)
-
-    def load_gguf_blocks(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """GGUF block decoding is not wired for this architecture yet: every matmul reads
-        its loaded weights."""
-        for _ in blocks:
-            pass
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors (Hugging Face names) into the parameters."""
-        params = dict(self.named_parameters())
-        experts = ExpertTensors(self)
-        loaded: set[str] = set()
-        skipped = 0
-        for name, tensor in weights:
-            name = self._mtp_name(name.removeprefix("language_model."))
-            if (
-                name.startswith(_OTHER_PREFIXES)
-                or _MTP_COPIES.match(name)
-                or "rotary_emb" in name
-                or (name == "lm_head.weight" and self.config.tie_word_embeddings)
-            ):
-                skipped += 1
-                continue
-            if experts.load(name, tensor):
-                continue
-            target, shard = self._param_name(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter")
-            param = params[target]
-            tensor = tensor.to(param.dtype)
-            if shard is None:
-                param.weight_loader(param, tensor)
+    def _checkpoint_name(self, name: str) -> str | None:
+        """Kimi K2.5's `language_model.` prefix off; MTP layers' tensors as `mtp.{k}.*`;
+        vision tensors and the MTP layers' copies of the embedding and head skipped."""
+        name = super()._checkpoint_name(name.removeprefix("language_model."))
+        if name is None:
+            return None
+        match = _LAYER.match(name)
+        if match is not None and int(match.group(1)) >= self.config.num_hidden_layers:
+            k, rest = int(match.group(1)) - self.config.num_hidden_layers, name[match.end() :]
+            if rest.startswith(_MTP_COPIES):
+                name = None
+            elif rest.startswith("shared_head.norm."):
+                name = f"mtp.{k}.shared_head_norm.{rest.removeprefix('shared_head.norm.')}"
             else:
-                param.weight_loader(param, tensor, shard)
-            loaded.add(target)
-        if skipped:
+                name = f"mtp.{k}.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.{k}.layer.{rest}"
+        if name is None or name.startswith(_OTHER_PREFIXES):
+            self._num_skipped += 1
+            return None
+        return name
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        if self._num_skipped:
             logger.info(
-                "%d checkpoint tensors are not used (copies in MTP layers, vision)", skipped
+                "%d checkpoint tensors are not used (copies in MTP layers, vision)",
+                self._num_skipped,
             )
-        loaded |= experts.complete()
         if self.mtp and not any(name.startswith("mtp.") for name in loaded):
             logger.info("the checkpoint has no multi-token-prediction layers")
             self.mtp = nn.ModuleList()  # transformers' save_pretrained writes none
             params = dict(self.named_parameters())
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    def _mtp_name(self, name: str) -> str:
-        """`model.layers.{N + k}.x` (an MTP layer's tensor) -> `mtp.{k}.x` or
-        `mtp.{k}.layer.x`; other names as they are."""
-        match = _LAYER.match(name)
-        if match is None or int(match.group(1)) < self.config.num_hidden_layers:
-            return name
-        k = int(match.group(1)) - self.config.num_hidden_layers
-        rest = name[match.end() :]
-        if rest.startswith(("embed_tokens.", "shared_head.head.")):
-            return name  # a copy of the main model's (skipped)
-        if rest.startswith("shared_head.norm."):
-            return f"mtp.{k}.shared_head_norm.{rest.removeprefix('shared_head.norm.')}"
-        return f"mtp.{k}.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.{k}.layer.{rest}"
-
-    def _param_name(self, name: str) -> tuple[str, int | None]:
-        for part, (fused, shard) in self.fused_params.items():
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}."), shard
-        return name, None
+        super()._check_complete(params, loaded)

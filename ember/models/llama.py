@@ -31,7 +31,7 @@ from ember.models.layers import (
     new_param,
     silu_and_mul,
 )
-from ember.models.moe import ExpertTensors, SparseMoE
+from ember.models.moe import Experts, ExpertTensors, SparseMoE
 
 
 class LlamaAttention(nn.Module):
@@ -94,9 +94,11 @@ def moe_or_dense_mlp(config: ModelConfig, layer: int) -> nn.Module:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, index: int) -> None:
+    attention_cls: type[nn.Module] = LlamaAttention
+
+    def __init__(self, config: ModelConfig, backend, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = self.attention_cls(config, backend)
         self.mlp = moe_or_dense_mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -113,12 +115,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
+    def __init__(self, config: ModelConfig, backend, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = new_param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
+            self.layer_cls(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
@@ -173,6 +177,7 @@ class FusedDecode:
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[nn.Module] = LlamaModel
     # checkpoint name part -> (fused parameter name part, shard index)
     fused_params = {
         "q_proj": ("qkv_proj", 0),
@@ -190,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, max_positions)
+        self.model = self.model_cls(config, backend, max_positions)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -212,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu(bf16_prefill, weight_dtype)
+            elif isinstance(module, Experts) and weight_dtype is not None:
+                module.to_dtype(weight_dtype)
         backend = self.model.layers[0].self_attn.backend
         fusable = not self.config.qk_norm and self.config.moe is None
         if isinstance(backend, CPUPagedBackend) and fusable:
@@ -237,12 +244,8 @@ class LlamaForCausalLM(nn.Module):
         experts = ExpertTensors(self)
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
-            if experts.load(name, tensor):
-                continue
-            if "rotary_emb" in name or (
-                name == "lm_head.weight" and self.config.tie_word_embeddings
-            ):
+            name = self._checkpoint_name(name)
+            if name is None or experts.load(name, tensor):
                 continue
             target, shard = self._param_name(name)
             if target not in params:
@@ -255,6 +258,12 @@ class LlamaForCausalLM(nn.Module):
                 param.weight_loader(param, tensor, shard)
             loaded.add(name)
         self._check_complete(params, loaded | experts.complete())
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as this model's parameters go; None: not loaded."""
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        return name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
 
     def _param_name(self, name: str) -> tuple[str, int | None]:
         for part, (fused, shard) in self.fused_params.items():

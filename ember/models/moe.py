@@ -81,6 +81,11 @@ class Experts(nn.Module):
             "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
         )
 
+    def to_dtype(self, dtype: torch.dtype) -> None:
+        """Stores the expert weights in `dtype` (`dtype=bfloat16` on CPU: half the bytes)."""
+        self.gate_up_proj.data = self.gate_up_proj.data.to(dtype)
+        self.down_proj.data = self.down_proj.data.to(dtype)
+
     def _small_gemm(self, rows: torch.Tensor):
         """ember's kernel for an expert's matmuls over a few rows (fp32 x on CPU, fp32 or
         bf16 W), where it applies; it reads W once (MKL's GEMM packs it first)."""
