@@ -290,13 +290,12 @@ class EngineCore:
     def _expert_tokens(self) -> list[tuple[int, list[int]]] | None:
         """The MoE layers' token counts, if a second has passed or the engine is idle."""
         now = time.monotonic()
-        if now - self._expert_tokens_sent < 1.0 and self.has_unfinished():
-            return None
-        counts = self.runner.expert_tokens()
-        if not counts:
+        if not self.runner.moe_layers or (
+            now - self._expert_tokens_sent < 1.0 and self.has_unfinished()
+        ):
             return None
         self._expert_tokens_sent = now
-        return counts
+        return self.runner.expert_tokens()
 
 
 class StepStats:

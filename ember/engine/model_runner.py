@@ -62,6 +62,8 @@ class ModelRunner:
         model_cls = get_model_class(model_config.architecture)
         self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(model_config)
         self.model = self._load_model(model_cls, checkpoint, max_model_len)
+        layers = getattr(self.model.model, "layers", [])
+        self.moe_layers = [(i, x.mlp) for i, x in enumerate(layers) if isinstance(x.mlp, SparseMoE)]
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shm_path: str | None = None
@@ -121,12 +123,7 @@ class ModelRunner:
 
     def expert_tokens(self) -> list[tuple[int, list[int]]]:
         """(layer, tokens routed to each expert since start) for every MoE layer."""
-        layers = getattr(getattr(self.model, "model", None), "layers", [])
-        return [
-            (i, layer.mlp.experts.tokens_per_expert.tolist())
-            for i, layer in enumerate(layers)
-            if isinstance(getattr(layer, "mlp", None), SparseMoE)
-        ]
+        return [(i, moe.experts.tokens_per_expert.tolist()) for i, moe in self.moe_layers]
 
     # -- KV cache -----------------------------------------------------------------------
 

@@ -53,6 +53,14 @@ class MLAttention(nn.Module):
         rope = config.rope
         if rope.rope_type != "default" and rope.mscale_all_dim:  # yarn's softmax scale
             self.scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        self.weights = MLAWeights(
+            self.kv_b_proj.weight,
+            heads,
+            mla.qk_nope_head_dim,
+            mla.v_head_dim,
+            mla.kv_lora_rank,
+            self.scale,
+        )  # fmt: skip (the Parameter: a dtype change of its data shows through)
 
     def forward(self, hidden, kv_cache, meta: AttentionMetadata, cos_sin):
         mla, dtype, num_tokens = self.mla, hidden.dtype, hidden.shape[0]
@@ -71,12 +79,8 @@ class MLAttention(nn.Module):
             rot = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
         rot = apply_rotary(rot, *cos_sin)
         entry = torch.cat([latent, rot[:, -1]], dim=-1)  # what the cache keeps
-        weights = MLAWeights(
-            self.kv_b_proj.weight, self.num_heads, mla.qk_nope_head_dim, mla.v_head_dim,
-            mla.kv_lora_rank, self.scale,
-        )  # fmt: skip
         out = self.backend.forward(
-            q_nope, rot[:, :-1], entry, kv_cache, meta, weights, self.kv_b_proj
+            q_nope, rot[:, :-1], entry, kv_cache, meta, self.weights, self.kv_b_proj
         )
         return self.o_proj(out.reshape(num_tokens, -1))
 
