@@ -106,8 +106,8 @@ class TorchSDPABackend(AttentionBackend):
     def _decode(q, kv_cache, meta, scale):
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[-2]
-        keys = _gather(kv_cache[0], meta.decode_block_table)  # [B, Hkv, L, D]
-        values = _gather(kv_cache[1], meta.decode_block_table)
+        keys = gather_blocks(kv_cache[0], meta.decode_block_table)  # [B, Hkv, L, D]
+        values = gather_blocks(kv_cache[1], meta.decode_block_table)
         grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             grouped_q, keys, values, attn_mask=meta.decode_mask, scale=scale
@@ -121,8 +121,8 @@ class TorchSDPABackend(AttentionBackend):
             keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
         else:
             table = seq.block_ids.unsqueeze(0)
-            keys = _gather(kv_cache[0], table)[0, :, : seq.context_len]
-            values = _gather(kv_cache[1], table)[0, :, : seq.context_len]
+            keys = gather_blocks(kv_cache[0], table)[0, :, : seq.context_len]
+            values = gather_blocks(kv_cache[1], table)[0, :, : seq.context_len]
             mask = causal_mask(seq.query_len, seq.context_len, q.device)
         out = F.scaled_dot_product_attention(
             q,
@@ -142,7 +142,7 @@ class TorchSDPABackend(AttentionBackend):
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, Hkv, D] indexed by [B, M] -> [B, Hkv, M * bs, D]."""
     num_seqs, num_blocks = block_table.shape
     _, block_size, num_kv_heads, head_dim = cache.shape

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.engine.attention import AttentionMetadata, PrefillSeq, causal_mask
+from ember.engine.attention import AttentionMetadata, PrefillSeq, causal_mask, gather_blocks
 
 
 @dataclass
@@ -81,7 +81,7 @@ class MLABackend:
         # [heads, B, nope] @ [heads, nope, lora]: each head's query in the latent space
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         query = torch.cat([q_latent, q_rope], dim=-1)  # [B, heads, lora + rope]
-        context = _gather(cache, meta.decode_block_table)  # [B, L, lora + rope]
+        context = gather_blocks(cache, meta.decode_block_table)[:, 0]  # [B, L, lora + rope]
         scores = torch.bmm(query, context.transpose(1, 2)) * weights.scale  # [B, heads, L]
         scores = scores.masked_fill(~meta.decode_mask[:, 0], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
@@ -92,7 +92,7 @@ class MLABackend:
     @staticmethod
     def prefill(q_nope, q_rope, cache, seq: PrefillSeq, weights: MLAWeights, expand):
         heads, nope, lora = weights.num_heads, weights.qk_nope_head_dim, weights.kv_lora_rank
-        context = _gather(cache, seq.block_ids.unsqueeze(0))[0, : seq.context_len]
+        context = gather_blocks(cache, seq.block_ids.unsqueeze(0))[0, 0, : seq.context_len]
         kv = expand(context[:, :lora].contiguous()).to(q_nope.dtype)
         kv = kv.view(seq.context_len, heads, nope + weights.v_head_dim)
         k_rope = context[:, None, lora:].to(q_nope.dtype).expand(-1, heads, -1)
@@ -108,11 +108,3 @@ class MLABackend:
             scale=weights.scale,
         )
         return out[0].transpose(0, 1)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, 1, D] indexed by [B, M] -> [B, M * bs, D]."""
-    num_seqs, num_blocks = block_table.shape
-    block_size, width = cache.shape[1], cache.shape[-1]
-    blocks = cache.index_select(0, block_table.flatten())
-    return blocks.view(num_seqs, num_blocks * block_size, width)

@@ -217,8 +217,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu(bf16_prefill, weight_dtype)
-            elif isinstance(module, Experts) and weight_dtype is not None:
-                module.to_dtype(weight_dtype)
+            elif isinstance(module, Experts):
+                module.pack_for_cpu(weight_dtype)
         backend = self.model.layers[0].self_attn.backend
         fusable = not self.config.qk_norm and self.config.moe is None
         if isinstance(backend, CPUPagedBackend) and fusable:

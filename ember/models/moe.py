@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MoEConfig
-from ember.models.layers import SMALL_GEMM_MAX_ROWS, cpu_kernels_for, new_param, silu_and_mul
+from ember.models.layers import SMALL_GEMM_MAX_ROWS, new_param, silu_and_mul
 
 
 class TopKRouter(nn.Module):
@@ -76,27 +76,29 @@ class Experts(nn.Module):
         self.num_experts = moe.num_experts
         self.gate_up_proj = new_param(moe.num_experts, 2 * size, hidden_size)
         self.down_proj = new_param(moe.num_experts, hidden_size, size)
+        self.small_gemm = None  # ember's kernel for an expert's few rows (pack_for_cpu)
         # tokens routed to each expert since start (expert-load statistics)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
         )
 
-    def to_dtype(self, dtype: torch.dtype) -> None:
-        """Stores the expert weights in `dtype` (`dtype=bfloat16` on CPU: half the bytes)."""
-        self.gate_up_proj.data = self.gate_up_proj.data.to(dtype)
-        self.down_proj.data = self.down_proj.data.to(dtype)
+    def pack_for_cpu(self, weight_dtype: torch.dtype | None = None) -> None:
+        """Called once after loading, on CPU with fp32 activations (like Linear's): the
+        weights in `weight_dtype` if given (bfloat16: half the bytes a step reads), and
+        ember's small GEMM for experts with few tokens, where the shapes suit it (it reads
+        W once; MKL's GEMM packs it first)."""
+        if weight_dtype is not None:
+            self.gate_up_proj.data = self.gate_up_proj.data.to(weight_dtype)
+            self.down_proj.data = self.down_proj.data.to(weight_dtype)
+        from ember.engine.kernels import cpu_kernels
 
-    def _small_gemm(self, rows: torch.Tensor):
-        """ember's kernel for an expert's matmuls over a few rows (fp32 x on CPU, fp32 or
-        bf16 W), where it applies; it reads W once (MKL's GEMM packs it first)."""
-        kernels = cpu_kernels_for(rows)
-        if kernels is None:
-            return None
+        kernels = cpu_kernels()
         hidden, size = self.down_proj.shape[1:]
-        fits = kernels.small_gemm_supported(1, hidden, 2 * size)
-        return (
-            kernels.small_gemm if fits and kernels.small_gemm_supported(1, size, hidden) else None
+        fits = kernels is not None and all(
+            kernels.small_gemm_supported(1, n_in, n_out)
+            for n_in, n_out in ((hidden, 2 * size), (size, hidden))
         )
+        self.small_gemm = kernels.small_gemm if fits else None
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """One expert's `gate_proj`, `up_proj` or `down_proj` weight ([out, in])."""
@@ -124,7 +126,7 @@ class Experts(nn.Module):
         token_of = order // top_k
         rows = hidden.index_select(0, token_of)
         out = torch.empty_like(rows)
-        small = self._small_gemm(rows)
+        small = self.small_gemm
         start = 0
         for expert, count in enumerate(counts.tolist()):
             if count == 0:
