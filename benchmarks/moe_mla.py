@@ -1,6 +1,7 @@
 """MoE and MLA: what the latent cache saves, and a random-init DeepSeek-V3 run.
 
     python benchmarks/moe_mla.py [--dir /tmp/ember-ds-bench] [--batches 1 4 16] [--steps 24]
+    python benchmarks/moe_mla.py --gguf Q4_0 [--batches 1 4 16]
 
 1. KV bytes per token and layer in bf16, and how many 8k-token sequences fit in 64 GiB,
    for DeepSeek-V3's and Kimi K2's shapes: the latent layout against caching each head's
@@ -11,6 +12,11 @@
    against the checkpoint's size, decode tokens/s at each batch size (64-token prompts),
    the share of a decode step spent routing, in the experts, in attention and elsewhere,
    and transformers' decode speed on the same checkpoint for reference.
+3. With --gguf TYPE: the same model written as a deepseek2 GGUF file in TYPE (Q4_0,
+   Q8_0, ...) the way llama.cpp's converter lays it out (tests/gguf_convert.py), and
+   ember's decode speed on it reading the file's blocks (experts included) against
+   reading the fp32 weights (`gguf_blocks=False`): what the blocks save when decode is
+   memory-bound.
 Prints a JSON line per measurement.
 """
 
@@ -116,10 +122,23 @@ class Timers:
         cls.forward = timed
 
 
-def ember_decode(path: Path, batches: list[int], steps: int) -> None:
+def write_gguf_file(path: Path, qtype_name: str) -> Path:
+    target = path / f"model-{qtype_name}.gguf"
+    if target.exists():
+        return target
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gguf_convert import QT, write_gguf
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    write_gguf(model, "deepseek_v3", target, qtype=QT[qtype_name], tokenizer_dir=None)
+    return target
+
+
+def ember_decode(path: Path, batches: list[int], steps: int, **options) -> None:
     from ember import LLM, SamplingParams
 
-    llm = LLM(str(path), kv_cache_memory=1 << 30, enable_prefix_caching=False)
+    llm = LLM(str(path), kv_cache_memory=1 << 30, enable_prefix_caching=False, **options)
     timers = Timers()
     engine = llm.engine
     for batch in batches:
@@ -139,7 +158,8 @@ def ember_decode(path: Path, batches: list[int], steps: int) -> None:
         shares = {k: round(v / wall, 3) for k, v in timers.seconds.items()}
         shares["other"] = round(1 - sum(shares.values()), 3)
         print(json.dumps({
-            "engine": "ember", "batch": batch, "decode_tok_s": round(batch * steps / wall, 1),
+            "engine": "ember", "model": path.name, **options, "batch": batch,
+            "decode_tok_s": round(batch * steps / wall, 1),
             "step_ms": round(wall / steps * 1e3, 1), "share": shares,
         }))  # fmt: skip
 
@@ -174,9 +194,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--gguf", metavar="TYPE", help="decode a GGUF file of it in TYPE")
     args = parser.parse_args()
-    kv_sizes()
     path = build(Path(args.dir))
+    if args.gguf:
+        target = write_gguf_file(path, args.gguf)
+        print(json.dumps({"gguf_mb": round(target.stat().st_size / 2**20)}))
+        for blocks in (True, False, True, False):  # in turn: this box's speed drifts
+            ember_decode(target, args.batches, args.steps, gguf_blocks=blocks)
+        return
+    kv_sizes()
     peak_load_rss(path)
     ember_decode(path, args.batches, args.steps)
     if not args.skip_transformers:

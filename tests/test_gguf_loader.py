@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_convert import to_llama_cpp_rows
 from kquant import quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, load_gguf_checkpoint
@@ -91,13 +92,6 @@ def tiny_tensor_names(arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
                 (f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (HEAD_DIM[arch],)),
             ]
     return names
-
-
-def to_llama_cpp_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter order for llama q/k: per head, interleave the two row halves."""
-    half = weights.shape[0] // num_heads // 2
-    split = weights.reshape(num_heads, 2, half, *weights.shape[1:])
-    return split.swapaxes(1, 2).reshape(weights.shape)
 
 
 def gguf_order(arch: str, gguf_name: str, weights: np.ndarray) -> np.ndarray:

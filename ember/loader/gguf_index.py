@@ -32,7 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ember.loader")
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: configs of MoE and MLA files
+# architectures whose config transformers' GGUF support cannot read (their tokenizer is
+# built without it)
+TOKENIZER_ONLY_ARCHITECTURES = frozenset({"deepseek2"})
 _PLAIN_DTYPES = {
     gguf.GGMLQuantizationType.F32: np.float32,
     gguf.GGMLQuantizationType.F16: np.float16,
@@ -143,9 +146,18 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if (cached / "tokenizer_config.json").is_file():
         tokenizer = load_tokenizer(cached)
     else:
-        from transformers import AutoTokenizer  # here: the engine process never needs it
+        # here: the engine process never needs them
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # AutoTokenizer reads the model's config through transformers' GGUF support, which
+        # lacks some architectures ember reads (deepseek2); the fast tokenizer built from
+        # the file's vocabulary is what it would build there too
+        builder = (
+            PreTrainedTokenizerFast
+            if load_index(path).architecture in TOKENIZER_ONLY_ARCHITECTURES
+            else AutoTokenizer
+        )
+        tokenizer = builder.from_pretrained(str(path.parent), gguf_file=path.name)
         _save_tokenizer(tokenizer, cached)
     if tokenizer.eos_token is None:
         raise ValueError(f"GGUF tokenizer in {path} has no eos token")

@@ -1,6 +1,9 @@
 """Read GGUF checkpoints (llama.cpp's format) as Hugging Face configs and weights (the
 tokenizer: `gguf_index.gguf_tokenizer`).
 
+Architectures: llama (also Mistral, and Mixtral: llama with `expert_count`), qwen2,
+qwen3, qwen3moe, and deepseek2 (DeepSeek-V3/R1, Kimi K2: read as DeepseekV3ForCausalLM).
+
 Shapes: GGUF records a matrix's dims innermost first, so a Linear of Hugging Face shape
 [out, in] is stored with `tensor.shape == [in, out]`. `GGUFReader` already exposes its
 data row-major as [out, in] (float types) or [out, bytes_per_row] (quantized types),
@@ -8,8 +11,22 @@ and `gguf.quants.dequantize` turns either into float32 [out, in]: the HF layout.
 
 Rope: for arch "llama", llama.cpp's converter reorders the rows of attn_q and attn_k
 within each head so that interleaved-pair rope (GPT-J style) gives the same result as
-Hugging Face's rotate-half. `iter_gguf_weights` undoes that. qwen2/qwen3 files keep HF's
-row order (llama.cpp runs them with NeoX rope).
+Hugging Face's rotate-half. `iter_gguf_weights` undoes that. qwen2/qwen3/qwen3moe files
+keep HF's row order (llama.cpp runs them with NeoX rope); so do deepseek2 files, whose
+rotary pairs are interleaved in the original weights (transformers' `rope_interleave`).
+
+Experts: llama.cpp stacks each layer's routed experts into one tensor per projection
+(`ffn_gate_exps`, HF shape [experts, out, in]); they are yielded expert by expert under
+the per-expert names published checkpoints use (`mlp.experts.{e}.gate_proj.weight`),
+dequantized one expert at a time. Files from before that (early 2024) name each expert
+`ffn_gate.{e}`.
+
+MLA (deepseek2): llama.cpp's converter splits `kv_b_proj` per head into `attn_k_b`
+(the key part, transposed: [heads, kv_lora_rank, qk_nope]) and `attn_v_b` ([heads,
+v_head_dim, kv_lora_rank]) and writes the latent as one KV head (`head_count_kv` 1,
+`key_length` kv_lora_rank + rope dims, the per-head sizes in `key_length_mla` /
+`value_length_mla`); the two are joined back into `kv_b_proj`. Files from before that
+change hold `attn_kv_b` as it is, with per-head sizes in `key_length` / `value_length`.
 """
 
 from __future__ import annotations
@@ -31,10 +48,14 @@ from ember.loader.gguf_index import tensors as indexed_tensors
 logger = logging.getLogger("ember.loader")
 
 _ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",  # also Mistral files: llama.cpp converts them as "llama"
+    # also Mistral files (llama.cpp converts them as "llama") and, with experts, Mixtral
+    "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
 }
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3"}
 
 _QT = gguf.GGMLQuantizationType
 # The types gguf 0.19's `gguf.quants.dequantize` implements.
@@ -63,8 +84,28 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    # multi-head latent attention
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# the selection bias of DeepSeek-V3's router (e_score_correction_bias)
+_ROUTER_BIAS = re.compile(r"blk\.(\d+)\.exp_probs_b\.(?:bias|weight)")
+# all experts of a layer stacked: [experts, out, in] in HF order
+_STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# one expert (files converted before llama.cpp stacked them)
+_ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+# MLA's kv_b_proj split in two: attn_k_b [heads, kv_lora_rank, qk_nope], attn_v_b
+_KV_B_PART = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _SKIPPED = frozenset({"rope_freqs.weight"})
 
 
@@ -120,7 +161,7 @@ def _architecture(reader: gguf.GGUFReader) -> str:
 
 
 def gguf_to_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """A Hugging Face config.json-style dict for a llama, qwen2 or qwen3 GGUF file."""
+    """A Hugging Face config.json-style dict for a GGUF file of one of _ARCHITECTURES."""
     arch = _architecture(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if "rope_freqs.weight" in tensors:
@@ -128,16 +169,18 @@ def gguf_to_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             "llama3-style rope scaling (rope_freqs.weight) is unsupported for GGUF for now"
         )
     num_heads = int(_required(reader, f"{arch}.attention.head_count"))
-    return {
+    config = {
         "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": _num_rows(tensors, "token_embd.weight"),
         "hidden_size": int(_required(reader, f"{arch}.embedding_length")),
-        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
+        "intermediate_size": int(
+            _field(reader, f"{arch}.feed_forward_length")
+            or _required(reader, f"{arch}.expert_feed_forward_length")
+        ),
         "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        "head_dim": _head_dim(reader, arch, tensors, num_heads),
         "rms_norm_eps": _float32(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": _float32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_required(reader, f"{arch}.context_length")),
@@ -147,6 +190,96 @@ def gguf_to_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "rope_scaling": _rope_scaling(reader, arch),
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
     }
+    if arch == "deepseek2":
+        config.update(_deepseek2_config(reader, tensors, num_heads))
+    else:
+        config["head_dim"] = _head_dim(reader, arch, tensors, num_heads)
+        config.update(_experts_config(reader, arch, tensors))
+    return config
+
+
+def _experts_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any]) -> dict:
+    """Mixtral (llama with experts) and Qwen3-MoE. llama.cpp always renormalizes their top-k
+    weights (`expert_weights_norm` is not written for them)."""
+    num_experts = int(_field(reader, f"{arch}.expert_count") or 0)
+    if not num_experts:
+        if arch == "qwen3moe":
+            raise ValueError("GGUF metadata lacks 'qwen3moe.expert_count'")
+        return {}
+    top_k = int(_required(reader, f"{arch}.expert_used_count"))
+    if arch == "llama":
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "sliding_window": None,
+        }
+    layers = int(_required(reader, f"{arch}.block_count"))
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(_required(reader, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        # a layer with a dense MLP has no router
+        "mlp_only_layers": [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
+        ],
+    }
+
+
+_SIGMOID_GATING = int(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _deepseek2_config(reader: gguf.GGUFReader, tensors: dict[str, Any], num_heads: int) -> dict:
+    """DeepSeek-V3's config from a deepseek2 file (see the module's note on MLA)."""
+    arch = "deepseek2"
+    rope_dims = int(_required(reader, f"{arch}.rope.dimension_count"))
+    key_length_mla = _field(reader, f"{arch}.attention.key_length_mla")
+    if key_length_mla is not None:
+        qk_head_dim = int(key_length_mla)
+        v_head_dim = int(_required(reader, f"{arch}.attention.value_length_mla"))
+    else:
+        qk_head_dim = int(_required(reader, f"{arch}.attention.key_length"))
+        v_head_dim = int(_required(reader, f"{arch}.attention.value_length"))
+    q_lora_rank = None  # q in one projection (attn_q), or through a LoRA (attn_q_a, attn_q_b)
+    if "blk.0.attn_q_a.weight" in tensors:
+        q_lora_rank = int(_required(reader, f"{arch}.attention.q_lora_rank"))
+    config = {
+        "num_key_value_heads": num_heads,  # MLA: every head reads the one latent
+        "head_dim": rope_dims,
+        "q_lora_rank": q_lora_rank,
+        "kv_lora_rank": int(_required(reader, f"{arch}.attention.kv_lora_rank")),
+        "qk_nope_head_dim": qk_head_dim - rope_dims,
+        "qk_rope_head_dim": rope_dims,
+        "v_head_dim": v_head_dim,
+        "rope_interleave": True,  # llama.cpp rotates deepseek2's pairs as they are stored
+        "first_k_dense_replace": int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
+        "num_nextn_predict_layers": 0,  # llama.cpp's converter leaves the MTP layers out
+    }
+    num_experts = int(_field(reader, f"{arch}.expert_count") or 0)
+    if not num_experts:
+        return config
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating != _SIGMOID_GATING:  # absent: softmax, as llama.cpp reads DeepSeek-V2 files
+        raise ValueError(
+            "deepseek2 GGUF files with softmax expert gating (DeepSeek-V2) are unsupported; "
+            "DeepSeek-V3/R1 and Kimi K2 files (sigmoid gating) are"
+        )
+    moe_size = int(_required(reader, f"{arch}.expert_feed_forward_length"))
+    config.update(
+        n_routed_experts=num_experts,
+        num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+        moe_intermediate_size=moe_size,
+        n_shared_experts=int(_field(reader, f"{arch}.expert_shared_count", 0)),
+        routed_scaling_factor=_float32(_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
+        n_group=int(_field(reader, f"{arch}.expert_group_count", 1)),
+        topk_group=int(_field(reader, f"{arch}.expert_group_used_count", 1)),
+        scoring_func="sigmoid",
+    )
+    return config
 
 
 def _num_rows(tensors: dict[str, Any], name: str) -> int:
@@ -171,9 +304,28 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
         kind, factor = "linear", legacy
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
         return None
-    if kind != "linear":
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _float32(factor)}
+    if kind != "yarn":
         raise ValueError(f"rope scaling type {kind!r} is unsupported for GGUF for now")
-    return {"rope_type": "linear", "factor": _float32(factor)}
+    if _field(reader, f"{arch}.rope.scaling.yarn_attn_factor") is not None:
+        raise ValueError("yarn rope scaling with an attention factor is unsupported for GGUF")
+    scaling = {
+        "rope_type": "yarn",
+        "factor": _float32(_required(reader, f"{arch}.rope.scaling.factor")),
+        "original_max_position_embeddings": int(
+            _required(reader, f"{arch}.rope.scaling.original_context_length")
+        ),
+        "beta_fast": _float32(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": _float32(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+    }
+    log_multiplier = _field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
+    if arch == "deepseek2" and log_multiplier:
+        # llama.cpp's deepseek2 files keep 0.1 x mscale_all_dim (and assume mscale equal
+        # to it: cos and sin unscaled, the softmax scale times yarn's mscale squared)
+        mscale = round(10 * _float32(log_multiplier), 6)
+        scaling.update(mscale=mscale, mscale_all_dim=mscale)
+    return scaling
 
 
 def iter_gguf_weights(
@@ -203,12 +355,21 @@ def iter_indexed_blocks(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, uint8 [out_features, blocks per row, bytes per block]) for every
     matrix stored in one of BLOCK_FORMATS: its raw blocks, copied out of the file, rows in
-    HF order."""
+    HF order; stacked experts one expert at a time, under per-expert names."""
     interleaved_rope = index.architecture == "llama"
     for tensor in indexed_tensors(path, index):
-        if tensor.tensor_type not in BLOCK_FORMATS or len(tensor.shape) != 2:
+        if tensor.tensor_type not in BLOCK_FORMATS:
             continue
         _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        if match := _STACKED_EXPERTS.fullmatch(tensor.name):  # expert by expert
+            layer, part = match.groups()
+            for expert in range(tensor.data.shape[0]):
+                rows = np.array(tensor.data[expert], dtype=np.uint8)
+                rows = rows.reshape(rows.shape[0], -1, type_size)
+                yield _expert_name(layer, expert, part), torch.from_numpy(rows)
+            continue
+        if len(tensor.shape) != 2:
+            continue
         rows = np.array(tensor.data, dtype=np.uint8)  # a row's blocks move as a whole
         rows = rows.reshape(rows.shape[0], -1, type_size)
         if interleaved_rope:
@@ -225,19 +386,56 @@ def _iter_weights(tensors: list, architecture: str, config: dict[str, Any]):
             f"dequantized ({len(unsupported)} such tensors)"
         )
     interleaved_rope = architecture == "llama"
+    kv_b_parts: dict[str, dict[str, np.ndarray]] = {}  # layer -> "k" / "v" -> weights
     for tensor in tensors:
-        if tensor.name in _SKIPPED:
+        name = tensor.name
+        if name in _SKIPPED:
+            continue
+        if match := _STACKED_EXPERTS.fullmatch(name):
+            layer, part = match.groups()
+            for expert in range(tensor.data.shape[0]):  # one expert's floats at a time
+                weights = _dequantize(tensor, tensor.data[expert])
+                yield _expert_name(layer, expert, part), torch.from_numpy(weights)
             continue
         weights = _dequantize(tensor)
+        if match := _KV_B_PART.fullmatch(name):
+            layer, part = match.groups()
+            parts = kv_b_parts.setdefault(layer, {})
+            parts[part] = weights
+            if len(parts) == 2:
+                del kv_b_parts[layer]
+                yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", _join_kv_b(**parts)
+            continue
         if interleaved_rope:
-            weights = _undo_rope_permutation(tensor.name, weights, config)
-        yield _hf_name(tensor.name), torch.from_numpy(weights)
+            weights = _undo_rope_permutation(name, weights, config)
+        yield _hf_name(name), torch.from_numpy(weights)
+    if kv_b_parts:
+        layer, parts = next(iter(kv_b_parts.items()))
+        raise ValueError(f"GGUF file has blk.{layer}.attn_{next(iter(parts))}_b but not its pair")
+
+
+def _expert_name(layer: str, expert: int, part: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
+
+
+def _join_kv_b(k: np.ndarray, v: np.ndarray) -> torch.Tensor:
+    """kv_b_proj [heads x (qk_nope + v_head_dim), kv_lora_rank] from attn_k_b [heads,
+    kv_lora_rank, qk_nope] and attn_v_b [heads, v_head_dim, kv_lora_rank]."""
+    if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != (v.shape[0], v.shape[2]):
+        raise ValueError(f"attn_k_b {k.shape} and attn_v_b {v.shape} do not fit together")
+    joined = np.concatenate([k.transpose(0, 2, 1), v], axis=1)
+    return torch.from_numpy(joined.reshape(-1, k.shape[1]))
 
 
 def _hf_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a llama/qwen GGUF tensor name."""
+    """The Hugging Face parameter name of a GGUF tensor name (not a stacked-experts or
+    attn_k_b / attn_v_b tensor: those become several, or one of two)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if match := _ROUTER_BIAS.fullmatch(gguf_name):
+        return f"model.layers.{match[1]}.mlp.gate.e_score_correction_bias"
+    if match := _ONE_EXPERT.fullmatch(gguf_name):
+        return _expert_name(match[1], int(match[3]), match[2])
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match is None or match[2] not in _BLOCK_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
@@ -245,9 +443,13 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    hf_shape = tuple(reversed(tensor.shape.tolist()))
-    weights = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape)
+def _dequantize(tensor: Any, data: np.ndarray | None = None) -> np.ndarray:
+    """float32 values of `tensor` (or of `data`, a slice of its outermost dim) in HF shape."""
+    if data is None:
+        data, hf_shape = tensor.data, tuple(reversed(tensor.shape.tolist()))
+    else:
+        hf_shape = tuple(reversed(tensor.shape.tolist()))[1:]
+    weights = dequantize(data, tensor.tensor_type).reshape(hf_shape)
     # F32 comes back as a read-only view of the mmap: copy it so torch owns writable memory.
     return np.require(weights, dtype=np.float32, requirements=["C", "W"])
 

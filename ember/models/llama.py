@@ -230,7 +230,10 @@ class LlamaForCausalLM(nn.Module):
         """Hands each matmul the raw GGUF blocks of its weight (Hugging Face names, as
         from Checkpoint.gguf_blocks); call before pack_for_cpu, which decides on them."""
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+        experts = ExpertTensors(self)
         for name, rows in blocks:
+            if experts.load(name, rows, blocks=True):
+                continue
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
                 name = "lm_head.weight"  # the tied head multiplies by the embedding table
             target, shard = self._param_name(name)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MoEConfig
-from ember.models.layers import SMALL_GEMM_MAX_ROWS, new_param, silu_and_mul
+from ember.models.layers import BLOCK_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS, new_param, silu_and_mul
 
 
 class TopKRouter(nn.Module):
@@ -68,7 +68,12 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer (SwiGLU MLPs), run grouped by expert."""
+    """The routed experts of one layer (SwiGLU MLPs), run grouped by expert.
+
+    An expert's matmul over its few rows of a decode step (CPU, fp32 weights) reads the
+    GGUF file's blocks of its weights where the file had them in a block format
+    (`load_blocks`: ember's block GEMM, bit-identical to the fp32 weights, 4-7x fewer
+    bytes), else streams the weights once through ember's small GEMM."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
@@ -77,6 +82,11 @@ class Experts(nn.Module):
         self.gate_up_proj = new_param(moe.num_experts, 2 * size, hidden_size)
         self.down_proj = new_param(moe.num_experts, hidden_size, size)
         self.small_gemm = None  # ember's kernel for an expert's few rows (pack_for_cpu)
+        # GGUF blocks of the stacked weights, uint8 [experts, out, blocks per row, bytes
+        # per block] (pack_for_cpu keeps them where ember's block GEMM takes them)
+        self.blocks: dict[str, torch.Tensor | None] = {"gate_up_proj": None, "down_proj": None}
+        self.block_gemm = None
+        self._block_parts: dict[tuple[str, int], torch.Tensor] = {}
         # tokens routed to each expert since start (expert-load statistics)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
@@ -86,7 +96,7 @@ class Experts(nn.Module):
         """Called once after loading, on CPU with fp32 activations (like Linear's): the
         weights in `weight_dtype` if given (bfloat16: half the bytes a step reads), and
         ember's small GEMM for experts with few tokens, where the shapes suit it (it reads
-        W once; MKL's GEMM packs it first)."""
+        W once; MKL's GEMM packs it first), or its block GEMM where the blocks came."""
         if weight_dtype is not None:
             self.gate_up_proj.data = self.gate_up_proj.data.to(weight_dtype)
             self.down_proj.data = self.down_proj.data.to(weight_dtype)
@@ -94,27 +104,64 @@ class Experts(nn.Module):
 
         kernels = cpu_kernels()
         hidden, size = self.down_proj.shape[1:]
+        shapes = {"gate_up_proj": (hidden, 2 * size), "down_proj": (size, hidden)}
         fits = kernels is not None and all(
-            kernels.small_gemm_supported(1, n_in, n_out)
-            for n_in, n_out in ((hidden, 2 * size), (size, hidden))
+            kernels.small_gemm_supported(1, n_in, n_out) for n_in, n_out in shapes.values()
         )
         self.small_gemm = kernels.small_gemm if fits else None
+        for name, (n_in, n_out) in shapes.items():
+            blocks = self._stacked_blocks(name)
+            usable = (
+                blocks is not None
+                and kernels is not None
+                and self.gate_up_proj.dtype == torch.float32  # the blocks decode to fp32 W
+                and kernels.block_gemm_supported(n_in, n_out, blocks.shape[3])
+            )
+            self.blocks[name] = blocks if usable else None
+        self._block_parts = {}
+        has_blocks = any(blocks is not None for blocks in self.blocks.values())
+        self.block_gemm = kernels.block_gemm if has_blocks else None
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """One expert's `gate_proj`, `up_proj` or `down_proj` weight ([out, in])."""
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} is out of range (the layer has {self.num_experts})")
-        size = self.down_proj.shape[2]
-        if part == "down_proj":
-            target = self.down_proj.data[expert]
-        else:
-            start = 0 if part == "gate_proj" else size
-            target = self.gate_up_proj.data[expert, start : start + size]
+        target = self._expert_part(self.gate_up_proj.data, self.down_proj.data, expert, part)
         if target.shape != tensor.shape:
             raise ValueError(
                 f"expert {expert} {part}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
             )
         target.copy_(tensor)
+
+    def load_blocks(self, expert: int, part: str, rows: torch.Tensor) -> None:
+        """The GGUF blocks of one expert's `part` weight: uint8 [out, blocks per row, bytes
+        per block]. Used where every expert's gate, up (and down) came in one format."""
+        target = self._expert_part(self.gate_up_proj, self.down_proj, expert, part)
+        if rows.dim() != 3 or rows.dtype != torch.uint8 or rows.shape[0] != target.shape[0]:
+            raise ValueError(
+                f"expert {expert} {part}: blocks of shape {tuple(rows.shape)} ({rows.dtype}) "
+                f"do not fit its {target.shape[0]} rows"
+            )
+        self._block_parts[part, expert] = rows
+
+    def _expert_part(self, gate_up, down, expert: int, part: str) -> torch.Tensor:
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range (the layer has {self.num_experts})")
+        if part == "down_proj":
+            return down[expert]
+        size = down.shape[2]
+        start = 0 if part == "gate_proj" else size
+        return gate_up[expert, start : start + size]
+
+    def _stacked_blocks(self, name: str) -> torch.Tensor | None:
+        """All experts' blocks of `name` (gate_up_proj: gate's rows, then up's), if every
+        expert's came, in one format."""
+        parts = ("down_proj",) if name == "down_proj" else ("gate_proj", "up_proj")
+        keys = [(part, e) for e in range(self.num_experts) for part in parts]
+        if any(key not in self._block_parts for key in keys):
+            return None
+        rows = [self._block_parts[key] for key in keys]
+        if len({r.shape[1:] for r in rows}) != 1:
+            return None
+        return torch.cat(rows).view(self.num_experts, -1, *rows[0].shape[1:])
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """sum over each token's experts e of weight_e * expert_e(token)."""
@@ -126,21 +173,28 @@ class Experts(nn.Module):
         token_of = order // top_k
         rows = hidden.index_select(0, token_of)
         out = torch.empty_like(rows)
-        small = self.small_gemm
         start = 0
         for expert, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
             part = slice(start, start + count)
-            gate_up, down = self.gate_up_proj[expert], self.down_proj[expert]
-            if small is not None and count <= SMALL_GEMM_MAX_ROWS:  # decode: W streamed once
-                out[part] = small(silu_and_mul(small(rows[part], gate_up, None)), down, None)
-            else:
-                gate_up = F.linear(rows[part], gate_up.to(rows.dtype))
-                out[part] = F.linear(silu_and_mul(gate_up), down.to(rows.dtype))
+            gate_up = self._matmul(rows[part], "gate_up_proj", expert)
+            out[part] = self._matmul(silu_and_mul(gate_up), "down_proj", expert)
             start += count
         out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
         return torch.zeros_like(hidden).index_add_(0, token_of, out)
+
+    def _matmul(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        """x times expert `expert`'s `name` weight: decode rows from its GGUF blocks or
+        through the small GEMM (W streamed once), more rows through F.linear."""
+        rows = x.shape[0]
+        blocks = self.blocks[name]
+        if blocks is not None and rows <= BLOCK_GEMM_MAX_ROWS:
+            return self.block_gemm(x.contiguous(), blocks[expert], None)
+        weight = getattr(self, name)[expert]
+        if self.small_gemm is not None and rows <= SMALL_GEMM_MAX_ROWS:
+            return self.small_gemm(x.contiguous(), weight, None)
+        return F.linear(x, weight.to(x.dtype))
 
 
 class SparseMoE(nn.Module):
@@ -175,8 +229,9 @@ class ExpertTensors:
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
         self.counts: Counter[str] = Counter()
 
-    def load(self, name: str, tensor: torch.Tensor) -> bool:
-        """False if `name` is not a per-expert tensor."""
+    def load(self, name: str, tensor: torch.Tensor, blocks: bool = False) -> bool:
+        """False if `name` is not a per-expert tensor; `blocks`: `tensor` is its GGUF
+        blocks (Experts.load_blocks)."""
         match = _EXPERT.match(name)
         if match is None:
             return False
@@ -184,6 +239,9 @@ class ExpertTensors:
         if layer is None:
             raise ValueError(f"checkpoint tensor {name!r} matches no expert layer")
         part = _MIXTRAL_PARTS.get(match.group(3), match.group(3))
+        if blocks:
+            layer.load_blocks(int(match.group(2)), part, tensor)
+            return True
         layer.load_expert(int(match.group(2)), part, tensor)
         stacked = "down_proj" if part == "down_proj" else "gate_up_proj"
         self.counts[f"{match.group(1)}.{stacked}"] += 1
