@@ -44,6 +44,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache size, e.g. 2G (default: from free memory)",
     )
     parser.add_argument(
+        "--kv-offload-memory",
+        type=parse_bytes,
+        default=None,
+        help="host memory for KV blocks that leave the cache, e.g. 8G (default: none)",
+    )
+    parser.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        help="a directory where KV blocks are kept on disk, across restarts (default: none)",
+    )
+    parser.add_argument(
+        "--kv-disk-size",
+        type=parse_bytes,
+        default=d.kv_disk_size,
+        help="bytes of KV blocks kept in --kv-disk-dir, e.g. 100G (default: 16G)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -173,6 +190,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        kv_offload_memory=args.kv_offload_memory,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_size=args.kv_disk_size,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -315,6 +315,11 @@ class EngineConfig:
     kv_load_timeout: float = 10.0  # seconds a decode worker waits on a transfer's socket
     kv_checksum: bool = False  # CRC-32 over every transfer (costs about a third of its speed)
     kv_fake_fault: str | None = None  # the fake transport's fault (tests)
+    # tiers below the pool (ember.kv.tiers): bytes of host memory for blocks that leave
+    # the pool, and a directory (and its size) where they are kept on disk across restarts
+    kv_offload_memory: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: int = 16 << 30
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -346,6 +351,15 @@ class EngineConfig:
             raise ValueError(
                 f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
             )
+        if (self.kv_offload_memory or self.kv_disk_dir) and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offload_memory and kv_disk_dir keep blocks by their prefix hashes: "
+                "they need enable_prefix_caching"
+            )
+        for name in ("kv_offload_memory", "kv_disk_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
         if self.kv_role not in ("mixed", "prefill", "decode"):
             raise ValueError(f"kv_role must be mixed, prefill or decode; got {self.kv_role!r}")
         if self.kv_transport not in ("auto", "tcp", "shm", "mooncake", "fake"):

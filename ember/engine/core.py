@@ -26,6 +26,7 @@ from ember.engine.scheduler import Scheduler
 from ember.engine.step_cost import StepCostModel, StepShape
 from ember.kv.buffers import Prefaulter
 from ember.kv.connector import KVConnectorScheduler, KVConnectorWorker
+from ember.kv.tiers import TieredStore
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
 
 logger = logging.getLogger("ember.engine")
@@ -36,6 +37,7 @@ class EngineCore:
         self, config: EngineConfig, model_config: ModelConfig, checkpoint: Checkpoint
     ) -> None:
         self.config = config
+        self.checkpoint = checkpoint
         self.model_config = model_config
         self.max_model_len = resolve_max_model_len(config, model_config)
         start = time.perf_counter()
@@ -71,7 +73,6 @@ class EngineCore:
         )
         self.step_stats = StepStats()
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
-        self.checkpoint = checkpoint
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
         self.num_sequences_received = 0
@@ -90,11 +91,32 @@ class EngineCore:
             fake_fault=config.kv_fake_fault,
             shm_path=self.runner.kv_shm_path,
         )
-        return KVConnectorScheduler(worker, config.block_size, config.kv_hold_timeout)
+        store = None
+        if config.kv_offload_memory or config.kv_disk_dir:
+            store = TieredStore(
+                self.runner.kv_caches,
+                self._kv_identity(),
+                config.kv_offload_memory,
+                config.kv_disk_dir,
+                config.kv_disk_size,
+            )
+        return KVConnectorScheduler(worker, config.block_size, config.kv_hold_timeout, store)
+
+    def _kv_identity(self) -> str:
+        """What the KV this engine computes depends on: the checkpoint, the cache layout,
+        the dtypes and the precision of the matmuls (ember.kv.tiers keys blocks by it)."""
+        runner = self.runner
+        layout = [(tuple(t.shape[:1] + t.shape[2:]), str(t.dtype)) for t in runner.kv_caches]
+        return (
+            f"v1|{self.checkpoint.identity()}|{layout}|block {self.config.block_size}|"
+            f"{runner.dtype}|{runner.weight_dtype}|bf16 prefill {runner.bf16_prefill}"
+        )
 
     def close(self) -> None:
         """Stops the KV endpoint and removes the shared-memory KV file, if any."""
         self.connector.worker.close()
+        if self.connector.store is not None:
+            self.connector.store.close()
         self.runner.free_kv_cache()
 
     @classmethod

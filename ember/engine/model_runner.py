@@ -70,7 +70,8 @@ class ModelRunner:
 
     def _load_model(self, model_cls, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
         packs = can_pack_for_cpu(self.device, self.dtype)
-        bf16_prefill = packs and self._bf16_prefill()  # refused before any weight is read
+        # refused before any weight is read
+        self.bf16_prefill = bf16_prefill = packs and self._bf16_prefill()
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -67,6 +67,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1: not admitted yet
+        self.num_loaded_end = 0  # while WAITING_FOR_KV: the prompt tokens computed once loaded
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV-cache manager
         self.num_preemptions = 0

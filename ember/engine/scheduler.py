@@ -253,6 +253,7 @@ class Scheduler:
         if self.kv_cache.allocate_slots(request, num_external, hits, cache=False) is None:
             self.waiting.appendleft(request)
             return False
+        request.num_loaded_end = num_hit + num_external
         self._admit(request, num_hit)
         request.status = RequestStatus.WAITING_FOR_KV
         self.connector.start_load(request, self.kv_cache.block_ids(request.request_id), num_hit)
@@ -263,14 +264,14 @@ class Scheduler:
             if request.status == RequestStatus.FINISHED_ABORTED:
                 self.kv_cache.free(request)
             elif ok:
-                request.num_computed_tokens = request.num_prompt_tokens
-                self.kv_cache.cache_blocks(request, request.num_prompt_tokens)
+                request.num_computed_tokens = request.num_loaded_end
+                self.kv_cache.cache_blocks(request, request.num_loaded_end)
                 request.kv_transfer = None  # released there: a preemption recomputes here
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
             else:  # recompute the prompt here, like any request
                 self.kv_cache.free(request)
-                request.num_computed_tokens = 0
+                request.num_computed_tokens = request.num_loaded_end = 0
                 request.kv_transfer = None
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
@@ -302,12 +303,18 @@ class Scheduler:
         return updated, finished
 
     def _preempt(self, request: Request) -> None:
+        self._save(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def _save(self, request: Request) -> None:
+        """Its computed full blocks into the tiers below the pool, if there are any."""
+        if self.connector is not None:
+            self.connector.save(request, self.kv_cache.block_ids(request.request_id))
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -319,5 +326,6 @@ class Scheduler:
             request.handed_over = handed_over
             self.kv_cache.hold(request, handed_over.transfer_id)
         else:
+            self._save(request)
             self.kv_cache.free(request)
         del self.requests[request.request_id]

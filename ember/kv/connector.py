@@ -11,6 +11,10 @@ endpoint (`server.KVTransferServer`) over the engine's KV tensors; on any worker
 loads in background threads through a transport and reports which finished, so the
 engine keeps decoding other requests while a prompt's blocks arrive.
 
+With tiers below the pool (`store`, ember.kv.tiers), the same path loads a prompt's
+blocks past its local prefix-cache hit from host memory or disk, and every request's
+computed full blocks are saved into the tiers when it finishes or is preempted (`save`).
+
 A decode request's life: admitted with its local prefix-cache hit -> blocks allocated for
 the rest of the prompt (not yet findable by hash) -> WAITING_FOR_KV while a thread fetches
 only those blocks -> on success its prompt counts as computed and its blocks become
@@ -34,6 +38,7 @@ import torch
 from ember.kv.buffers import block_bytes, chunks, node_id
 from ember.kv.params import RemotePrefill
 from ember.kv.server import HeldTransfers, KVTransferServer
+from ember.kv.tiers import TieredStore
 from ember.kv.transport import KVTransferError, ShmTransport, Transport, make_transport
 
 logger = logging.getLogger("ember.kv")
@@ -161,12 +166,20 @@ class KVConnectorWorker:
 class KVConnectorScheduler:
     """Decides what comes from outside and what is held for others (engine thread only)."""
 
-    def __init__(self, worker: KVConnectorWorker, block_size: int, hold_timeout: float) -> None:
+    def __init__(
+        self,
+        worker: KVConnectorWorker,
+        block_size: int,
+        hold_timeout: float,
+        store: TieredStore | None = None,
+    ) -> None:
         self.worker = worker
         self.block_size = block_size
         self.hold_timeout = hold_timeout
+        self.store = store
         self.stats = KVStats()
         self._loads: dict[str, _Load] = {}
+        self._store_failed: set[str] = set()  # requests that recompute after a failed load
         self._held_by_request: dict[str, str] = {}  # request id -> transfer id
         self._held: dict[str, str] = {}  # transfer id -> request id
 
@@ -178,16 +191,35 @@ class KVConnectorScheduler:
         return None if params is None else params.remote_prefill
 
     def external_tokens(self, request, num_local_hit: int) -> int:
-        """Prompt tokens that will be loaded from the prefill worker rather than computed."""
+        """Prompt tokens that will be loaded (from the prefill worker, or from the tiers)
+        rather than computed."""
         remote = self.remote(request)
-        if remote is None:
+        if remote is not None:
+            return max(remote.num_tokens - num_local_hit, 0)
+        if self.store is None or request.request_id in self._store_failed:
             return 0
-        return max(remote.num_tokens - num_local_hit, 0)
+        if request.needs_prompt_logprobs:  # the logits of every prompt token are wanted
+            return 0
+        # the stored blocks that continue the local hit, leaving a token to compute
+        first = num_local_hit // self.block_size
+        last = (request.num_tokens - 1) // self.block_size
+        found = 0
+        for block_hash in request.block_hashes[first:last]:
+            if not self.store.has(block_hash):
+                break
+            found += 1
+        return found * self.block_size
 
     def start_load(self, request, block_ids: list[int], num_local_hit: int) -> None:
         """Fetches the prompt's blocks from `num_local_hit` on into this request's blocks."""
         remote = self.remote(request)
         first = num_local_hit // self.block_size
+        if remote is None:  # from the tiers, up to request.num_loaded_end
+            end = request.num_loaded_end // self.block_size
+            pairs = zip(request.block_hashes[first:end], block_ids[first:end], strict=True)
+            future = self.store.load(list(pairs))
+            self._loads[request.request_id] = _Load(request, future, time.monotonic())
+            return
         num_blocks = -(-remote.num_tokens // self.block_size)
         src, dst = remote.block_ids[first:num_blocks], block_ids[first:num_blocks]
         future = self.worker.start_load(remote, src, dst)
@@ -195,6 +227,7 @@ class KVConnectorScheduler:
 
     def release_unused(self, request) -> None:
         """The prompt's KV was all here already: give the remote transfer back."""
+        self._store_failed.discard(request.request_id)
         remote = self.remote(request)
         if remote is not None:
             self.worker.release_remote(remote)
@@ -217,6 +250,9 @@ class KVConnectorScheduler:
             except Exception as exc:  # noqa: BLE001 - any failure means: recompute
                 logger.warning("KV load for %s failed (%s); recomputing", request_id, exc)
                 self.stats.loads_failed += 1
+                if self.remote(load.request) is None:  # the tiers': not tried again
+                    self._store_failed.add(request_id)
+                    load.request.num_cached_tokens = load.request.num_computed_tokens
                 done.append((load.request, False))
                 continue
             self.stats.loads_ok += 1
@@ -229,9 +265,25 @@ class KVConnectorScheduler:
     # -- prefill side -------------------------------------------------------------------
 
     def cached_tokens(self, request, num_local_hit: int) -> int:
-        """The prefix-cache hit to report: the prefill worker's, for a handed-over prompt."""
+        """The prefix-cache hit to report: the prefill worker's, for a handed-over prompt;
+        the local hit and what the tiers hold, for one loading from them."""
         remote = self.remote(request)
-        return num_local_hit if remote is None else remote.num_cached_tokens
+        if remote is not None:
+            return remote.num_cached_tokens
+        return max(num_local_hit, request.num_loaded_end)
+
+    def save(self, request, block_ids: list[int]) -> None:
+        """A request's computed full blocks into the tiers (before they are freed)."""
+        self._store_failed.discard(request.request_id)
+        if self.store is None:
+            return
+        num_blocks = min(
+            len(request.block_hashes),
+            len(block_ids),
+            request.num_computed_tokens // self.block_size,
+        )
+        hashes = request.block_hashes[:num_blocks]
+        self.store.save(zip(hashes, block_ids[:num_blocks], strict=True))
 
     def hold(self, request, block_ids: list[int]) -> RemotePrefill | None:
         """Holds a finished prefill's blocks for a decode worker, if it asked for that and

@@ -40,6 +40,15 @@ class Checkpoint:
     def num_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
+    def identity(self) -> str:
+        """This checkpoint's files as they are on disk (path, size, modification time):
+        what KV computed from it is stored under (ember.kv.tiers)."""
+        parts = [str(self.path.resolve())]
+        for file in self.files:
+            stat = file.stat()
+            parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+        return "|".join(parts)
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) pairs, with a progress bar and a timing log line."""
         start = time.perf_counter()

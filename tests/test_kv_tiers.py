@@ -1,0 +1,167 @@
+"""KV tiers below the engine's pool (ember.kv.tiers): a prompt whose blocks were evicted
+from a tiny pool is served from host memory, then from disk, then by a restarted engine,
+with the same tokens as computing it from scratch and fewer prompt tokens computed; a
+damaged or missing block file falls back to recomputing; KV of another model or tenant
+never matches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ember import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BLOCK = 16
+# the tiny llama: 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes = 512 bytes a token,
+# 8 KiB a block; the pool holds 20 blocks, one 200-token prompt takes 13
+POOL = dict(kv_cache_memory=20 * 8192, max_model_len=256)
+PROMPT_A = [(7 * i) % 500 + 3 for i in range(200)]
+# B and C after A evict all of A's blocks from the pool
+PROMPT_B = [(11 * i) % 480 + 7 for i in range(200)]
+PROMPT_C = [(13 * i) % 470 + 9 for i in range(200)]
+
+
+def tokens(llm: LLM, prompt: list[int], **kw) -> list[int]:
+    return (
+        llm.generate([prompt], SamplingParams(**{**GREEDY.__dict__, **kw}))[0].outputs[0].token_ids
+    )
+
+
+def computed(llm: LLM) -> int:
+    return llm.engine.core.scheduler.num_prompt_tokens_computed
+
+
+def store(llm: LLM):
+    return llm.engine.core.connector.store
+
+
+def assert_clean(llm: LLM) -> None:
+    kv = llm.engine.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and kv.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint):
+    """Greedy tokens of A, and of A's next turn (A + its answer + more), from scratch."""
+    llm = LLM(str(tiny_checkpoint("llama")), enable_prefix_caching=False, **POOL)
+    first = tokens(llm, PROMPT_A)
+    turn2 = PROMPT_A + first + [5, 6, 7, 8]
+    return first, turn2, tokens(llm, turn2)
+
+
+def test_an_evicted_session_comes_back_from_host_memory(tiny_checkpoint, expected):
+    first, turn2, second = expected
+    llm = LLM(str(tiny_checkpoint("llama")), kv_offload_memory=1 << 20, **POOL)
+    assert tokens(llm, PROMPT_A) == first
+    tokens(llm, PROMPT_B)  # A's blocks leave the pool (into host memory when freed)
+    tokens(llm, PROMPT_C)
+    before = computed(llm)
+    out = llm.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == second
+    # A's 12 full computed blocks (and its answer's) come back: only the rest is computed
+    loaded = out.num_cached_tokens
+    assert loaded >= 12 * BLOCK
+    assert computed(llm) - before == len(turn2) - loaded
+    assert store(llm).stats.host_hits * BLOCK == loaded
+    assert_clean(llm)
+
+
+def test_then_from_disk_and_after_a_restart(tiny_checkpoint, expected, tmp_path):
+    first, turn2, second = expected
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24, **POOL)
+    llm = LLM(str(tiny_checkpoint("llama")), **options)  # no host tier: straight to disk
+    assert tokens(llm, PROMPT_A) == first
+    tokens(llm, PROMPT_B)
+    tokens(llm, PROMPT_C)
+    store(llm).flush()
+    out = llm.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == second
+    assert store(llm).stats.disk_hits * BLOCK == out.num_cached_tokens >= 12 * BLOCK
+    store(llm).flush()
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert files and not list(tmp_path.rglob("*.tmp"))
+
+    restarted = LLM(str(tiny_checkpoint("llama")), **options)  # an empty pool, warm disk
+    out = restarted.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == second
+    assert out.num_cached_tokens >= 12 * BLOCK
+    assert computed(restarted) == len(turn2) - out.num_cached_tokens
+    assert_clean(restarted)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_block_file_falls_back_to_recompute(tiny_checkpoint, expected, tmp_path, damage):
+    first, turn2, second = expected
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24, **POOL)
+    llm = LLM(str(tiny_checkpoint("llama")), **options)
+    assert tokens(llm, PROMPT_A) == first
+    store(llm).flush()
+    restarted = LLM(str(tiny_checkpoint("llama")), **options)
+    victim = restarted.engine.core.connector.store
+    key = victim.key(_first_block_hash(restarted, PROMPT_A))
+    path = victim.disk.path(key)
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        path.unlink()
+    out = restarted.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == second
+    assert computed(restarted) == len(turn2)  # the first block is gone: nothing after counts
+    assert restarted.engine.core.connector.stats.loads_failed == 1
+    assert victim.stats.disk_corrupt == (0 if damage == "delete" else 1)
+    assert_clean(restarted)
+    victim.flush()  # the recomputed block was saved again, whole
+    assert victim.disk.read(key, victim.block_bytes) is not None
+
+
+def _first_block_hash(llm: LLM, prompt: list[int]) -> bytes:
+    from ember.engine.kv_cache import hash_block, root_hash
+
+    return hash_block(root_hash(None), prompt[:BLOCK])
+
+
+def test_another_model_or_tenant_never_hits(tiny_checkpoint, tmp_path):
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24, **POOL)
+    llm = LLM(str(tiny_checkpoint("llama")), **options)
+    tokens(llm, PROMPT_A)
+    store(llm).flush()
+    other_tenant = LLM(str(tiny_checkpoint("llama")), **options)
+    out = other_tenant.generate([PROMPT_A], GREEDY, cache_salt="tenant-2")[0]
+    assert out.num_cached_tokens == 0 and store(other_tenant).stats.disk_hits == 0
+    # the same architecture and shapes, other weights: another namespace on disk
+    other_model = LLM(str(tiny_checkpoint("mistral")), **options)
+    out = other_model.generate([PROMPT_A], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and store(other_model).stats.disk_hits == 0
+    assert len({p.parent for p in Path(tmp_path).rglob("*.kvb")}) == 2
+
+
+def test_tiers_need_prefix_caching(tiny_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(str(tiny_checkpoint("llama")), kv_offload_memory=1 << 20,
+            enable_prefix_caching=False, **POOL)  # fmt: skip
+
+
+def test_smollm2_from_the_disk_tier_equals_computing_it(tmp_path):
+    """The real default model: a 600-token prompt's next turn, computed from scratch and
+    served by a restarted engine from the disk tier, gives the same tokens."""
+    from ember.loader.default_models import resolve_model
+
+    path = str(resolve_model(None))  # fetched by `make test` beforehand (ember download)
+    prompt = [(37 * i) % 40000 + 100 for i in range(600)]
+    options = dict(kv_cache_memory=1 << 26, max_model_len=1024, kv_disk_dir=str(tmp_path))
+    first = LLM(path, **options)
+    answer = tokens(first, prompt)
+    store(first).flush()
+    turn2 = prompt + answer + [100, 200, 300]
+    fresh = tokens(LLM(path, kv_cache_memory=1 << 26, max_model_len=1024), turn2)
+    restarted = LLM(path, **options)
+    out = restarted.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == fresh
+    assert out.num_cached_tokens == 607 // BLOCK * BLOCK  # every full block computed before
+    assert computed(restarted) == len(turn2) - out.num_cached_tokens
