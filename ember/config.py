@@ -356,6 +356,12 @@ class EngineConfig:
                 "kv_offload_memory and kv_disk_dir keep blocks by their prefix hashes: "
                 "they need enable_prefix_caching"
             )
+        tiers = self.kv_offload_memory or self.kv_disk_dir
+        if tiers and self.device != "cpu" and self.resolve_device().type != "cpu":
+            raise ValueError(
+                "kv_offload_memory and kv_disk_dir copy blocks through host memory: CPU only "
+                "for now (device='cpu')"
+            )
         for name in ("kv_offload_memory", "kv_disk_size"):
             value = getattr(self, name)
             if value is not None:

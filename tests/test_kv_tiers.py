@@ -138,7 +138,15 @@ def test_another_model_or_tenant_never_hits(tiny_checkpoint, tmp_path):
     other_model = LLM(str(tiny_checkpoint("mistral")), **options)
     out = other_model.generate([PROMPT_A], GREEDY)[0]
     assert out.num_cached_tokens == 0 and store(other_model).stats.disk_hits == 0
+    store(other_model).flush()
     assert len({p.parent for p in Path(tmp_path).rglob("*.kvb")}) == 2
+
+
+def test_tiers_are_refused_on_cuda_for_now():
+    from ember.config import EngineConfig
+
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(device="cuda", kv_disk_dir="/tmp/x")
 
 
 def test_tiers_need_prefix_caching(tiny_checkpoint, tmp_path):
