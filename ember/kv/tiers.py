@@ -143,11 +143,11 @@ class DiskTier:
                 path.unlink(missing_ok=True)  # a write cut short by a crash or a kill
                 continue
             try:
-                found.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem), path))
+                stat = path.stat()
+                found.append((stat.st_mtime_ns, bytes.fromhex(path.stem), stat.st_size))
             except (OSError, ValueError):
                 path.unlink(missing_ok=True)
-        for _, key, path in sorted(found):
-            size = path.stat().st_size
+        for _, key, size in sorted(found):  # oldest first: the first evicted
             self.files[key] = size
             self.num_bytes += size
         self._evict()
