@@ -61,6 +61,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="bytes of KV blocks kept in --kv-disk-dir, e.g. 100G (default: 16G)",
     )
     parser.add_argument(
+        "--kv-store",
+        default=None,
+        help="a Mooncake Store every worker shares, mooncake://MASTER_HOST:PORT (needs "
+        "$EMBER_CLUSTER_SECRET; `ember up --kv-store mooncake` starts one) (default: none)",
+    )
+    parser.add_argument(
+        "--kv-store-memory",
+        type=parse_bytes,
+        default=0,
+        help="memory this worker adds to the Mooncake Store's pool, e.g. 4G (default: 0)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -193,6 +205,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_offload_memory=args.kv_offload_memory,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_size=args.kv_disk_size,
+        kv_store=args.kv_store,
+        kv_store_memory=args.kv_store_memory,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

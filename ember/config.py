@@ -320,6 +320,10 @@ class EngineConfig:
     kv_offload_memory: int | None = None
     kv_disk_dir: str | None = None
     kv_disk_size: int = 16 << 30
+    # the cluster tier: mooncake://HOST:PORT, a Mooncake Store master every worker shares
+    # (values signed with $EMBER_CLUSTER_SECRET), and the memory this worker adds to its pool
+    kv_store: str | None = None
+    kv_store_memory: int = 0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -351,21 +355,27 @@ class EngineConfig:
             raise ValueError(
                 f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
             )
-        if (self.kv_offload_memory or self.kv_disk_dir) and not self.enable_prefix_caching:
+        tiers = self.kv_offload_memory or self.kv_disk_dir or self.kv_store
+        if tiers and not self.enable_prefix_caching:
             raise ValueError(
-                "kv_offload_memory and kv_disk_dir keep blocks by their prefix hashes: "
-                "they need enable_prefix_caching"
+                "kv_offload_memory, kv_disk_dir and kv_store keep blocks by their prefix "
+                "hashes: they need enable_prefix_caching"
             )
-        tiers = self.kv_offload_memory or self.kv_disk_dir
         if tiers and self.device != "cpu" and self.resolve_device().type != "cpu":
             raise ValueError(
-                "kv_offload_memory and kv_disk_dir copy blocks through host memory: CPU only "
-                "for now (device='cpu')"
+                "kv_offload_memory, kv_disk_dir and kv_store copy blocks through host memory: "
+                "CPU only for now (device='cpu')"
             )
         for name in ("kv_offload_memory", "kv_disk_size"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
+        if self.kv_store is not None:
+            from ember.kv.mooncake import parse_store_url
+
+            parse_store_url(self.kv_store)
+        if self.kv_store_memory < 0:
+            raise ValueError(f"kv_store_memory must be >= 0 bytes, got {self.kv_store_memory}")
         if self.kv_role not in ("mixed", "prefill", "decode"):
             raise ValueError(f"kv_role must be mixed, prefill or decode; got {self.kv_role!r}")
         if self.kv_transport not in ("auto", "tcp", "shm", "mooncake", "fake"):

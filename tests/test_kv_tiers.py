@@ -64,7 +64,7 @@ def test_an_evicted_session_comes_back_from_host_memory(tiny_checkpoint, expecte
     loaded = out.num_cached_tokens
     assert loaded >= 12 * BLOCK
     assert computed(llm) - before == len(turn2) - loaded
-    assert store(llm).stats.host_hits * BLOCK == loaded
+    assert store(llm).stats.host.hits * BLOCK == loaded
     assert_clean(llm)
 
 
@@ -78,7 +78,7 @@ def test_then_from_disk_and_after_a_restart(tiny_checkpoint, expected, tmp_path)
     store(llm).flush()
     out = llm.generate([turn2], GREEDY)[0]
     assert out.outputs[0].token_ids == second
-    assert store(llm).stats.disk_hits * BLOCK == out.num_cached_tokens >= 12 * BLOCK
+    assert store(llm).stats.disk.hits * BLOCK == out.num_cached_tokens >= 12 * BLOCK
     store(llm).flush()
     files = sorted(tmp_path.rglob("*.kvb"))
     assert files and not list(tmp_path.rglob("*.tmp"))
@@ -114,7 +114,7 @@ def test_a_damaged_block_file_falls_back_to_recompute(tiny_checkpoint, expected,
     assert out.outputs[0].token_ids == second
     assert computed(restarted) == len(turn2)  # the first block is gone: nothing after counts
     assert restarted.engine.core.connector.stats.loads_failed == 1
-    assert victim.stats.disk_corrupt == (0 if damage == "delete" else 1)
+    assert victim.stats.disk.corrupt == (0 if damage == "delete" else 1)
     assert_clean(restarted)
     victim.flush()  # the recomputed block was saved again, whole
     assert victim.disk.read(key, victim.block_bytes) is not None
@@ -133,11 +133,11 @@ def test_another_model_or_tenant_never_hits(tiny_checkpoint, tmp_path):
     store(llm).flush()
     other_tenant = LLM(str(tiny_checkpoint("llama")), **options)
     out = other_tenant.generate([PROMPT_A], GREEDY, cache_salt="tenant-2")[0]
-    assert out.num_cached_tokens == 0 and store(other_tenant).stats.disk_hits == 0
+    assert out.num_cached_tokens == 0 and store(other_tenant).stats.disk.hits == 0
     # the same architecture and shapes, other weights: another namespace on disk
     other_model = LLM(str(tiny_checkpoint("mistral")), **options)
     out = other_model.generate([PROMPT_A], GREEDY)[0]
-    assert out.num_cached_tokens == 0 and store(other_model).stats.disk_hits == 0
+    assert out.num_cached_tokens == 0 and store(other_model).stats.disk.hits == 0
     store(other_model).flush()
     assert len({p.parent for p in Path(tmp_path).rglob("*.kvb")}) == 2
 

@@ -92,15 +92,25 @@ class EngineCore:
             shm_path=self.runner.kv_shm_path,
         )
         store = None
-        if config.kv_offload_memory or config.kv_disk_dir:
+        if config.kv_offload_memory or config.kv_disk_dir or config.kv_store:
+            cluster = None
+            if config.kv_store:
+                from ember.kv.mooncake import MooncakeStoreTier
+
+                cluster = MooncakeStoreTier(
+                    config.kv_store, envs.cluster_secret(), config.kv_store_memory, config.kv_host
+                )
             store = TieredStore(
                 self.runner.kv_caches,
                 self._kv_identity(),
                 config.kv_offload_memory,
                 config.kv_disk_dir,
                 config.kv_disk_size,
+                cluster,
             )
-        return KVConnectorScheduler(worker, config.block_size, config.kv_hold_timeout, store)
+        return KVConnectorScheduler(
+            worker, config.block_size, config.kv_hold_timeout, store, config.kv_load_timeout
+        )
 
     def _kv_identity(self) -> str:
         """What the KV this engine computes depends on: the checkpoint, the cache layout,
@@ -231,8 +241,17 @@ class EngineCore:
         self.prefaulter.step()
 
     def has_runnable(self) -> bool:
-        """Work a step can do now (not only waiting for KV to arrive)."""
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """Work a step can do now (not only waiting for KV to arrive, or for the cluster
+        store to say what it holds)."""
+        waiting = len(self.scheduler.waiting) - self.connector.num_looking_up
+        return bool(self.scheduler.running) or waiting > 0
+
+    def tier_writes(self) -> int:
+        """Blocks written to the tiers below the pool so far (they go on after a step)."""
+        store = self.connector.store
+        if store is None:
+            return 0
+        return store.stats.disk.writes + store.stats.cluster.writes
 
     def holds_kv(self) -> bool:
         """Finished prefills' blocks wait for decode workers (steps free them when done)."""
@@ -298,6 +317,7 @@ class EngineCore:
             kv_bytes_received=kv.stats.bytes_received,
             kv_load_seconds=kv.stats.load_seconds_total,
             kv_held=kv.num_held,
+            kv_tiers=None if kv.store is None else kv.store.stats.as_dict(),
             kv_holds_expired=kv.stats.holds_expired,
             kv_bytes_sent=kv.worker.server.num_bytes_sent if kv.worker.server else 0,
             num_steps=self.step_stats.num_steps,

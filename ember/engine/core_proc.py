@@ -72,7 +72,7 @@ class EngineCoreProc:
             outputs = core.step() if core.has_unfinished() or core.holds_kv() else []
             if spare and not received:
                 core.idle_work()  # KV pages ahead of use, a few ms at a time
-            state = (core.kv_cache.num_free_blocks, core.connector.num_loading)
+            state = (core.kv_cache.num_free_blocks, core.connector.num_loading, core.tier_writes())
             if outputs or received or busy or state != last_state:  # stats go out on changes
                 self._send(EngineCoreOutputs(outputs, core.stats(), errors))
                 last_state = state

@@ -161,7 +161,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        self._update_hashes(request)
+        self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -245,7 +245,8 @@ class KVCacheManager:
             assert refs[block.block_id] == block.ref_cnt, f"block {block.block_id} ref_cnt"
         return True
 
-    def _update_hashes(self, request: Request) -> None:
+    def update_hashes(self, request: Request) -> None:
+        """Hashes the request's full blocks not hashed yet (chained, salted)."""
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
         parent = hashes[-1] if hashes else root_hash(request.cache_salt)
@@ -260,7 +261,7 @@ class KVCacheManager:
         end = num_tokens // self.block_size
         if end <= start:
             return
-        self._update_hashes(request)
+        self.update_hashes(request)
         for i in range(start, end):
             self.pool.cache(self.pool.blocks[block_ids[i]], request.block_hashes[i])
         self.num_hashed_blocks[request.request_id] = end

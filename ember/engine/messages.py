@@ -86,6 +86,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_held: int = 0  # finished prefills whose blocks wait for a decode worker
     kv_holds_expired: int = 0  # never fetched within kv_hold_timeout
     kv_bytes_sent: int = 0
+    # the tiers below the pool, when there are any: tier -> its counters (ember.kv.tiers)
+    kv_tiers: dict[str, dict[str, int | float]] | None = None
     num_steps: int = 0  # model steps since start
     step_seconds: float = 0.0  # their measured durations, summed
     step_predicted_seconds: float = 0.0  # the step cost model's predictions of them, summed

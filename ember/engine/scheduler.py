@@ -140,6 +140,9 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.connector is not None and self.kv_cache.enable_prefix_caching:
+            self.kv_cache.update_hashes(request)
+            self.connector.request_added(request)  # a store lookup starts now
 
     def abort(self, request_id: str) -> Request | None:
         """Ends a request at any moment and frees its blocks; None if unknown."""
@@ -217,6 +220,9 @@ class Scheduler:
             else:
                 hits, num_hit = self.kv_cache.get_computed_blocks(request)
             num_external = self.connector.external_tokens(request, num_hit) if self.connector else 0
+            if num_external is None:  # the cluster store has not answered yet
+                deferred.append(request)
+                continue
             if num_external:
                 if not self._start_load(request, hits, num_hit, num_external):
                     break
@@ -319,13 +325,13 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         handed_over = None
-        if self.connector is not None and status == RequestStatus.FINISHED_LENGTH:
+        if self.connector is not None:  # held for a decode worker, or saved into the tiers
             block_ids = self.kv_cache.block_ids(request.request_id)
-            handed_over = self.connector.hold(request, block_ids)
+            at_length = status == RequestStatus.FINISHED_LENGTH
+            handed_over = self.connector.request_finished(request, block_ids, at_length)
         if handed_over is not None:  # a decode worker will fetch them
             request.handed_over = handed_over
             self.kv_cache.hold(request, handed_over.transfer_id)
         else:
-            self._save(request)
             self.kv_cache.free(request)
         del self.requests[request.request_id]

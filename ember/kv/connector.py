@@ -12,8 +12,11 @@ loads in background threads through a transport and reports which finished, so t
 engine keeps decoding other requests while a prompt's blocks arrive.
 
 With tiers below the pool (`store`, ember.kv.tiers), the same path loads a prompt's
-blocks past its local prefix-cache hit from host memory or disk, and every request's
-computed full blocks are saved into the tiers when it finishes or is preempted (`save`).
+blocks past its local prefix-cache hit from host memory, disk or the cluster store, and
+every request's computed full blocks are saved into the tiers when it finishes or is
+preempted (`save`). Whether the cluster store holds a prompt's blocks is asked when the
+request arrives (`request_added`), off the engine thread; the request waits in the queue
+for the answer (`external_tokens` returns None) at most LOOKUP_WAIT seconds.
 
 A decode request's life: admitted with its local prefix-cache hit -> blocks allocated for
 the rest of the prompt (not yet findable by hash) -> WAITING_FOR_KV while a thread fetches
@@ -38,10 +41,12 @@ import torch
 from ember.kv.buffers import block_bytes, chunks, node_id
 from ember.kv.params import RemotePrefill
 from ember.kv.server import HeldTransfers, KVTransferServer
-from ember.kv.tiers import TieredStore
+from ember.kv.tiers import TieredStore, TierLoad
 from ember.kv.transport import KVTransferError, ShmTransport, Transport, make_transport
 
 logger = logging.getLogger("ember.kv")
+
+LOOKUP_WAIT = 1.0  # seconds a request waits for the cluster store's answer, then computes
 
 
 @dataclass
@@ -61,6 +66,19 @@ class _Load:
     request: object  # the engine's Request
     future: Future
     started: float
+    tier_load: TierLoad | None = None  # a load from the tiers (given up after the timeout)
+
+
+@dataclass
+class _Lookup:
+    future: Future  # list[bool]: which of the prompt's blocks the cluster store holds
+    started: float
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 class KVConnectorWorker:
@@ -172,13 +190,16 @@ class KVConnectorScheduler:
         block_size: int,
         hold_timeout: float,
         store: TieredStore | None = None,
+        load_timeout: float = 10.0,
     ) -> None:
         self.worker = worker
         self.block_size = block_size
         self.hold_timeout = hold_timeout
+        self.load_timeout = load_timeout
         self.store = store
         self.stats = KVStats()
         self._loads: dict[str, _Load] = {}
+        self._lookups: dict[str, _Lookup] = {}  # cluster-store lookups, by request
         self._store_failed: set[str] = set()  # requests that recompute after a failed load
         self._held_by_request: dict[str, str] = {}  # request id -> transfer id
         self._held: dict[str, str] = {}  # transfer id -> request id
@@ -190,35 +211,81 @@ class KVConnectorScheduler:
         params = request.kv_transfer
         return None if params is None else params.remote_prefill
 
-    def external_tokens(self, request, num_local_hit: int) -> int:
+    def _storable(self, request) -> bool:
+        return (
+            self.store is not None
+            and self.remote(request) is None
+            and request.request_id not in self._store_failed
+            and not request.needs_prompt_logprobs  # the logits of every prompt token
+        )
+
+    def request_added(self, request) -> None:
+        """Asks the cluster store, in the background, which of the prompt's blocks it has."""
+        if self._storable(request) and self.store.cluster is not None:
+            last = (request.num_tokens - 1) // self.block_size
+            future = self.store.lookup(request.block_hashes[:last])
+            self._lookups[request.request_id] = _Lookup(future, time.monotonic())
+
+    def external_tokens(self, request, num_local_hit: int) -> int | None:
         """Prompt tokens that will be loaded (from the prefill worker, or from the tiers)
-        rather than computed."""
+        rather than computed; None while the cluster store's answer is awaited."""
         remote = self.remote(request)
         if remote is not None:
             return max(remote.num_tokens - num_local_hit, 0)
-        if self.store is None or request.request_id in self._store_failed:
+        if not self._storable(request):
             return 0
-        if request.needs_prompt_logprobs:  # the logits of every prompt token are wanted
-            return 0
+        in_cluster = self._cluster_blocks(request)
+        if in_cluster is None:
+            return None
         # the stored blocks that continue the local hit, leaving a token to compute
         first = num_local_hit // self.block_size
         last = (request.num_tokens - 1) // self.block_size
         found = 0
-        for block_hash in request.block_hashes[first:last]:
-            if not self.store.has(block_hash):
+        for i in range(first, last):
+            if not (
+                self.store.has(request.block_hashes[i]) or i < len(in_cluster) and in_cluster[i]
+            ):
                 break
             found += 1
         return found * self.block_size
+
+    def _cluster_blocks(self, request) -> list[bool] | None:
+        """Which blocks the cluster store has (as asked on arrival); None: not known yet."""
+        lookup = self._lookups.get(request.request_id)
+        if lookup is None:
+            return []
+        if not lookup.future.done():
+            if time.monotonic() - lookup.started < LOOKUP_WAIT:
+                return None
+            lookup.future.cancel()
+            self.store.stats.lookups_failed += 1
+            self._lookups[request.request_id] = _Lookup(_done([]), lookup.started)
+            return []
+        try:
+            return lookup.future.result()
+        except Exception as exc:  # noqa: BLE001 - a store that fails: compute
+            logger.warning("KV store lookup for %s failed (%s)", request.request_id, exc)
+            self.store.stats.lookups_failed += 1
+            self._lookups[request.request_id] = _Lookup(_done([]), lookup.started)
+            return []
+
+    @property
+    def num_looking_up(self) -> int:
+        """Requests waiting for the cluster store's answer."""
+        return sum(not lookup.future.done() for lookup in self._lookups.values())
 
     def start_load(self, request, block_ids: list[int], num_local_hit: int) -> None:
         """Fetches the prompt's blocks from `num_local_hit` on into this request's blocks."""
         remote = self.remote(request)
         first = num_local_hit // self.block_size
+        self._lookups.pop(request.request_id, None)
         if remote is None:  # from the tiers, up to request.num_loaded_end
             end = request.num_loaded_end // self.block_size
             pairs = zip(request.block_hashes[first:end], block_ids[first:end], strict=True)
-            future = self.store.load(list(pairs))
-            self._loads[request.request_id] = _Load(request, future, time.monotonic())
+            tier_load = self.store.load(list(pairs))
+            self._loads[request.request_id] = _Load(
+                request, tier_load.future, time.monotonic(), tier_load
+            )
             return
         num_blocks = -(-remote.num_tokens // self.block_size)
         src, dst = remote.block_ids[first:num_blocks], block_ids[first:num_blocks]
@@ -228,6 +295,7 @@ class KVConnectorScheduler:
     def release_unused(self, request) -> None:
         """The prompt's KV was all here already: give the remote transfer back."""
         self._store_failed.discard(request.request_id)
+        self._lookups.pop(request.request_id, None)
         remote = self.remote(request)
         if remote is not None:
             self.worker.release_remote(remote)
@@ -240,12 +308,16 @@ class KVConnectorScheduler:
     def finished_loads(self) -> list[tuple[object, bool]]:
         """Loads that ended since the last call: (request, succeeded)."""
         done = []
+        now = time.monotonic()
         for request_id, load in list(self._loads.items()):
-            if not load.future.done():
+            late = load.tier_load is not None and now - load.started > self.load_timeout
+            if not load.future.done() and not (late and load.tier_load.cancel()):
                 continue
             del self._loads[request_id]
-            seconds = time.monotonic() - load.started
+            seconds = now - load.started
             try:
+                if not load.future.done():
+                    raise TimeoutError(f"no answer from the tiers in {self.load_timeout} s")
                 num_bytes = load.future.result()
             except Exception as exc:  # noqa: BLE001 - any failure means: recompute
                 logger.warning("KV load for %s failed (%s); recomputing", request_id, exc)
@@ -271,6 +343,20 @@ class KVConnectorScheduler:
         if remote is not None:
             return remote.num_cached_tokens
         return max(num_local_hit, request.num_loaded_end)
+
+    def request_finished(
+        self, request, block_ids: list[int], at_length: bool
+    ) -> RemotePrefill | None:
+        """A request ended (at its token limit: `at_length`): its blocks are held for a
+        decode worker (the params for it are returned) or saved into the tiers before they
+        are freed (None)."""
+        self._lookups.pop(request.request_id, None)
+        handed_over = None
+        if at_length:
+            handed_over = self.hold(request, block_ids)
+        if handed_over is None:
+            self.save(request, block_ids)
+        return handed_over
 
     def save(self, request, block_ids: list[int]) -> None:
         """A request's computed full blocks into the tiers (before they are freed)."""

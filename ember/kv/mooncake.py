@@ -1,4 +1,6 @@
-"""The Mooncake Transfer Engine as an optional KV transport (`--kv-transport mooncake`).
+"""Mooncake: the Transfer Engine as an optional KV transport (`--kv-transport mooncake`),
+and Mooncake Store as the cluster tier below every worker's pool (`--kv-store
+mooncake://MASTER`, `MooncakeStoreTier`).
 
 Install: `pip install 'ember[mooncake]'` (mooncake-transfer-engine-non-cuda; the CUDA
 build on GPU machines) and the Debian package `libibverbs1`, which it links even for TCP.
@@ -17,13 +19,22 @@ it inside a loopback-only network namespace).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import socket
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
 from ember.kv import wire
 from ember.kv.params import RemotePrefill
 from ember.kv.transport import KVTransferError, Transport, joint_runs
+
+logger = logging.getLogger("ember.kv")
 
 MAX_BATCH = 256  # reads per batched call (larger batches fail in the TCP transport)
 
@@ -114,3 +125,149 @@ class MooncakeTransport(Transport):
 
     def close(self) -> None:
         self._engine = None
+
+
+MAC_BYTES = 32  # HMAC-SHA256 of the key and the block, with the cluster secret
+KEY_PREFIX = "ember-kv/"
+
+
+def parse_store_url(url: str) -> str:
+    """`mooncake://HOST:PORT` -> the master's `HOST:PORT` (ValueError naming kv_store)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "mooncake" or not parts.hostname or port is None or parts.path:
+        raise ValueError(f"kv_store must be mooncake://HOST:PORT (the master's), got {url!r}")
+    return parts.netloc
+
+
+class MooncakeStoreTier:
+    """The cluster tier: blocks in a Mooncake Store pool that every worker pointed at the
+    same master shares (memory its clients mount, with the master's eviction).
+
+    The store trusts anyone who can reach it, so each value is the block's bytes after an
+    HMAC-SHA256 of (key, bytes) under the cluster secret: a value that was forged, truncated
+    or written for another key is refused (and removed), and the request recomputes.
+    Calls block in Mooncake's client; ember makes them from its writer and loader threads
+    only, never from the step loop.
+    """
+
+    def __init__(self, url: str, secret: bytes | None, segment_bytes: int = 0,
+                 host: str = "127.0.0.1") -> None:  # fmt: skip
+        master = parse_store_url(url)
+        if not secret:
+            raise ValueError(
+                "kv_store needs the cluster's secret to sign what it stores: set "
+                "EMBER_CLUSTER_SECRET (ember up sets it for its workers)"
+            )
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ValueError(
+                "kv_store mooncake needs `pip install mooncake-transfer-engine-non-cuda` "
+                f"and the libibverbs1 system package ({exc})"
+            ) from None
+        self._secret = secret
+        self._store = MooncakeDistributedStore()
+        # P2P handshake: no metadata server; local buffer for the client's own transfers
+        rc = self._store.setup(host, "P2PHANDSHAKE", segment_bytes, 64 << 20, "tcp", "", master)
+        if rc != 0:
+            raise ValueError(f"kv_store: could not join the Mooncake Store at {master} (rc {rc})")
+        self.master = master
+
+    def close(self) -> None:
+        self._store.close()
+
+    @staticmethod
+    def name(key: bytes) -> str:
+        return KEY_PREFIX + key.hex()
+
+    def _mac(self, key: bytes, data: bytes | memoryview) -> bytes:
+        digest = hmac.new(self._secret, key, hashlib.sha256)
+        digest.update(data)
+        return digest.digest()
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the store holds (one round trip to the master)."""
+        if not keys:
+            return []
+        found = self._store.batch_is_exist([self.name(k) for k in keys])
+        if any(flag < 0 for flag in found):
+            raise OSError(f"the Mooncake Store at {self.master} did not answer a lookup")
+        return [flag == 1 for flag in found]
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        rc = self._store.put(self.name(key), self._mac(key, data) + data)
+        return rc == 0
+
+    def get(self, key: bytes, length: int) -> bytes | None:
+        """The block's bytes; None if absent; b"" if they fail their MAC (then removed)."""
+        raw = self._store.get(self.name(key))
+        if not raw:
+            return None
+        data = memoryview(raw)[MAC_BYTES:]
+        if len(raw) == MAC_BYTES + length and hmac.compare_digest(
+            raw[:MAC_BYTES], self._mac(key, data)
+        ):
+            return bytes(data)
+        logger.warning("KV block %s in the store fails its MAC; it is removed", key.hex())
+        self._store.remove(self.name(key))
+        return b""
+
+
+def binary(name: str) -> str:
+    """A Mooncake program shipped in its wheel (mooncake_master, mooncake_client)."""
+    try:
+        import mooncake
+    except ImportError as exc:
+        raise ValueError(
+            f"--kv-store mooncake needs `pip install mooncake-transfer-engine-non-cuda` ({exc})"
+        ) from None
+    path = Path(mooncake.__file__).parent / name
+    if not path.exists():
+        raise ValueError(f"the installed Mooncake has no {name} program ({path})")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def store_commands(memory: int) -> tuple[list[str], list[str], str]:
+    """The command lines of a Mooncake Store on this machine: a master (bound to loopback)
+    and a client process that holds `memory` bytes of the pool (so the blocks outlive any
+    worker); and the master's address."""
+    master_port = free_port()
+    master = [
+        binary("mooncake_master"),
+        f"--rpc_port={master_port}",
+        "--rpc_address=127.0.0.1",
+        f"--metrics_port={free_port()}",
+        "--metrics_host=127.0.0.1",
+    ]
+    holder = [
+        binary("mooncake_client"),
+        "--host=127.0.0.1",
+        f"--port={free_port()}",
+        f"--global_segment_size={memory}",
+        "--metadata_server=P2PHANDSHAKE",
+        f"--master_server_address=127.0.0.1:{master_port}",
+    ]
+    return master, holder, f"127.0.0.1:{master_port}"
+
+
+def wait_listening(port: int, timeout: float) -> None:
+    """Until something accepts connections on 127.0.0.1:`port` (TimeoutError if not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.1)

@@ -1,4 +1,4 @@
-"""KV tiers below the engine's pool: host memory and local disk.
+"""KV tiers below the engine's pool: host memory, local disk, and a cluster store.
 
 A block leaves the engine's pool when its request finishes or is preempted; its bytes
 are copied (on the engine thread, between steps: a memcpy) into the host tier, and from
@@ -19,6 +19,12 @@ place, so a reader sees a whole block or none; a file whose header or checksum d
 match is deleted on read. The files outlive the process: a restarted worker indexes
 them (oldest first, for LRU eviction) and serves warm. Each tier evicts its least
 recently used block when full.
+
+Cluster: Mooncake Store (ember.kv.mooncake.MooncakeStoreTier), shared by every worker
+pointed at the same master. Blocks are written to it by a background thread as they are
+saved; whether a request's blocks are there is asked once, when the request arrives
+(`lookup`), in a background thread, so the step loop never waits on the network; loads
+read it after host memory and disk.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,18 +60,32 @@ class StoreMiss(Exception):
 
 
 @dataclass
-class TierStats:
-    """Counters since start, per tier (for /load and /metrics)."""
+class TierCounters:
+    """One tier's counters since start (for /load and /metrics)."""
 
-    host_hits: int = 0  # blocks loaded from host memory
-    disk_hits: int = 0
-    host_saves: int = 0  # blocks copied into host memory
-    disk_writes: int = 0
-    disk_writes_dropped: int = 0  # the writer fell behind by MAX_PENDING_WRITE_BYTES
+    hits: int = 0  # blocks loaded from it
     bytes_loaded: int = 0
-    host_evictions: int = 0
-    disk_evictions: int = 0
-    disk_corrupt: int = 0  # files that failed their header or checksum (deleted)
+    load_seconds: float = 0.0  # spent reading it
+    writes: int = 0  # blocks stored into it
+    writes_dropped: int = 0  # its writer fell behind by MAX_PENDING_WRITE_BYTES, or it refused
+    evictions: int = 0
+    corrupt: int = 0  # blocks that failed their checks (dropped)
+
+
+TIERS = ("host", "disk", "cluster")
+
+
+@dataclass
+class TierStats:
+    host: TierCounters = field(default_factory=TierCounters)
+    disk: TierCounters = field(default_factory=TierCounters)
+    cluster: TierCounters = field(default_factory=TierCounters)
+    lookups_failed: int = 0  # cluster lookups that failed or came too late
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        tiers = {name: dict(vars(getattr(self, name))) for name in TIERS}
+        tiers["cluster"]["lookups_failed"] = self.lookups_failed
+        return tiers
 
 
 def namespace(identity: str) -> bytes:
@@ -75,7 +96,7 @@ def namespace(identity: str) -> bytes:
 class HostTier:
     """Blocks in host memory: a preallocated pool of `capacity // block_bytes` slots."""
 
-    def __init__(self, capacity: int, block_bytes: int, stats: TierStats) -> None:
+    def __init__(self, capacity: int, block_bytes: int, stats: TierCounters) -> None:
         num_slots = capacity // block_bytes
         if num_slots < 1:
             raise ValueError(
@@ -84,17 +105,17 @@ class HostTier:
         self.buffer = torch.empty((num_slots, block_bytes), dtype=torch.uint8)
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, LRU first
         self._free = list(range(num_slots - 1, -1, -1))
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._stats = stats
 
     def __contains__(self, key: bytes) -> bool:
-        with self._lock:
+        with self.lock:
             return key in self.slots
 
     def put(self, key: bytes, views: Iterable[memoryview], copy: bool = False) -> bytes | None:
         """Copies a block in (evicting the least recently used one if full); with `copy`,
         returns a copy of its bytes, taken under the same lock."""
-        with self._lock:
+        with self.lock:
             slot = self.slots.get(key)
             if slot is not None:
                 self.slots.move_to_end(key)
@@ -103,24 +124,22 @@ class HostTier:
                     slot = self._free.pop()
                 else:
                     _, slot = self.slots.popitem(last=False)
-                    self._stats.host_evictions += 1
+                    self._stats.evictions += 1
                 target, offset = self._view(slot), 0
                 for view in views:
                     target[offset : offset + len(view)] = view
                     offset += len(view)
                 self.slots[key] = slot
-                self._stats.host_saves += 1
+                self._stats.writes += 1
             return bytes(self._view(slot)) if copy else None
 
-    def copy_out(self, key: bytes, targets: Sequence[memoryview]) -> bool:
-        """Copies a block into `targets` (in order); False if it is not here."""
-        with self._lock:
-            slot = self.slots.get(key)
-            if slot is None:
-                return False
-            self.slots.move_to_end(key)
-            _scatter(self._view(slot), targets)
-            return True
+    def find(self, key: bytes) -> memoryview | None:
+        """A block's bytes in place, now the most recent (hold `lock` while using them)."""
+        slot = self.slots.get(key)
+        if slot is None:
+            return None
+        self.slots.move_to_end(key)
+        return self._view(slot)
 
     def _view(self, slot: int) -> memoryview:
         return memoryview(self.buffer[slot].numpy()).cast("B")
@@ -129,7 +148,7 @@ class HostTier:
 class DiskTier:
     """Blocks as files under `directory/<namespace>`, at most `capacity` bytes of them."""
 
-    def __init__(self, directory: str | Path, capacity: int, space: bytes, stats: TierStats):
+    def __init__(self, directory: str | Path, capacity: int, space: bytes, stats: TierCounters):
         self.dir = Path(directory) / space.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
@@ -178,7 +197,7 @@ class DiskTier:
         with self._lock:
             self.files[key] = len(header) + len(data)
             self.num_bytes += len(header) + len(data)
-            self._stats.disk_writes += 1
+            self._stats.writes += 1
             self._evict()
 
     def read(self, key: bytes, length: int) -> bytes | None:
@@ -200,7 +219,7 @@ class DiskTier:
                 if zlib.crc32(data) == crc:
                     return data
         logger.warning("KV block file %s is damaged; it is dropped", path)
-        self._stats.disk_corrupt += 1
+        self._stats.corrupt += 1
         self._drop(key)
         return None
 
@@ -217,7 +236,7 @@ class DiskTier:
             key, size = self.files.popitem(last=False)
             self.num_bytes -= size
             self.path(key).unlink(missing_ok=True)
-            self._stats.disk_evictions += 1
+            self._stats.evictions += 1
 
 
 def _scatter(source: memoryview, targets: Sequence[memoryview]) -> None:
@@ -225,6 +244,93 @@ def _scatter(source: memoryview, targets: Sequence[memoryview]) -> None:
     for target in targets:
         target[:] = source[offset : offset + len(target)]
         offset += len(target)
+
+
+class _Writer:
+    """One background thread writing blocks into a tier, with a cap on queued bytes."""
+
+    def __init__(self, name: str, write, stats: TierCounters) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ember-kv-{name}")
+        self._write = write
+        self._stats = stats
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def submit(self, key: bytes, data: bytes) -> None:
+        with self._lock:
+            if self._pending + len(data) > MAX_PENDING_WRITE_BYTES:
+                self._stats.writes_dropped += 1
+                return
+            self._pending += len(data)
+        self._pool.submit(self._run, key, data)
+
+    def _run(self, key: bytes, data: bytes) -> None:
+        try:
+            self._write(key, data)
+        except Exception as exc:  # noqa: BLE001 - a tier that fails to store loses a block
+            logger.warning("KV block not stored: %s", exc)
+            self._stats.writes_dropped += 1
+        finally:
+            with self._lock:
+                self._pending -= len(data)
+
+    def flush(self) -> None:
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class Cancelled(StoreMiss):
+    """The load was given up (it took too long); its blocks may already be someone else's."""
+
+
+class TierLoad:
+    """A load in flight: `future` gives the bytes loaded; `cancel()` makes sure no byte is
+    written into the request's blocks after it returns True."""
+
+    def __init__(self) -> None:
+        self.future: Future | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def cancel(self) -> bool:
+        """False if the load had already ended."""
+        with self._lock:
+            if self.future is not None and self.future.done():
+                return False
+            self._cancelled = True
+            return True
+
+    def scatter(self, source: memoryview, targets: Sequence[memoryview]) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise Cancelled("the load was given up")
+            _scatter(source, targets)
+
+
+class KnownKeys:
+    """Keys recently seen in the cluster tier (so a block is not written twice), LRU."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._keys
+
+    def add(self, key: bytes) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self._capacity:
+                self._keys.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            self._keys.pop(key, None)
 
 
 class TieredStore:
@@ -237,85 +343,123 @@ class TieredStore:
         host_bytes: int | None,
         disk_dir: str | None,
         disk_bytes: int,
+        cluster=None,  # a MooncakeStoreTier (exists, put, get, close), or None
     ) -> None:
         self.kv_caches = kv_caches
         self.block_bytes = block_bytes(kv_caches)
         self.space = namespace(identity)
         self.stats = TierStats()
-        self.host = HostTier(host_bytes, self.block_bytes, self.stats) if host_bytes else None
-        self.disk = DiskTier(disk_dir, disk_bytes, self.space, self.stats) if disk_dir else None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-kv-disk")
+        stats = self.stats
+        self.host = HostTier(host_bytes, self.block_bytes, stats.host) if host_bytes else None
+        self.disk = DiskTier(disk_dir, disk_bytes, self.space, stats.disk) if disk_dir else None
+        self.cluster = cluster
+        self._in_cluster = KnownKeys()
+        self._disk_writer = _Writer("disk", self.disk.write, stats.disk) if self.disk else None
+        self._cluster_writer = _Writer("store", self._put, stats.cluster) if cluster else None
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ember-kv-tier")
-        self._pending_bytes = 0
-        self._pending_lock = threading.Lock()
+        self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-kv-lookup")
 
     def close(self) -> None:
-        self._writer.shutdown(wait=True)  # queued writes finish: a restart finds them
+        for writer in (self._disk_writer, self._cluster_writer):
+            if writer is not None:
+                writer.close()  # queued writes finish: a restart finds them
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self.cluster is not None:
+            self.cluster.close()
 
     def key(self, block_hash: bytes) -> bytes:
         return hashlib.sha256(self.space + block_hash).digest()[:16]
 
     def has(self, block_hash: bytes) -> bool:
+        """Whether this worker's own tiers (host memory, disk) hold the block."""
         key = self.key(block_hash)
         return (self.host is not None and key in self.host) or (
             self.disk is not None and key in self.disk
         )
 
+    def lookup(self, block_hashes: Sequence[bytes]) -> Future:
+        """In the background: which of these blocks the cluster tier holds (list[bool])."""
+        return self._lookups.submit(self._lookup, list(block_hashes))
+
+    def _lookup(self, block_hashes: list[bytes]) -> list[bool]:
+        keys = [self.key(h) for h in block_hashes]
+        found = self.cluster.exists(keys)
+        for key, present in zip(keys, found, strict=True):
+            if present:
+                self._in_cluster.add(key)
+        return found
+
     def save(self, blocks: Iterable[tuple[bytes, int]]) -> None:
         """Copies (block hash, block id) pairs not yet stored out of the KV tensors (call
-        between steps, before the blocks are freed); disk writes go on in the background."""
+        between steps, before the blocks are freed); disk and cluster writes go on in the
+        background."""
         for block_hash, block_id in blocks:
             key = self.key(block_hash)
-            on_disk = self.disk is None or key in self.disk
+            to_disk = self.disk is not None and key not in self.disk
+            to_cluster = self.cluster is not None and key not in self._in_cluster
             if self.host is not None:
-                if key in self.host and on_disk:
-                    continue
-                data = self.host.put(key, chunks(self.kv_caches, [block_id]), copy=not on_disk)
-            elif on_disk:
-                continue
-            else:
+                views = chunks(self.kv_caches, [block_id])
+                data = self.host.put(key, views, copy=to_disk or to_cluster)  # now most recent
+            elif to_disk or to_cluster:
                 data = b"".join(chunks(self.kv_caches, [block_id]))
-            if not on_disk:
-                self._queue_write(key, data)
+            if to_disk:
+                self._disk_writer.submit(key, data)
+            if to_cluster:
+                self._in_cluster.add(key)  # written once, even while the write is queued
+                self._cluster_writer.submit(key, data)
 
-    def _queue_write(self, key: bytes, data: bytes) -> None:
-        with self._pending_lock:
-            if self._pending_bytes + len(data) > MAX_PENDING_WRITE_BYTES:
-                self.stats.disk_writes_dropped += 1
-                return
-            self._pending_bytes += len(data)
-        self._writer.submit(self._write, key, data)
-
-    def _write(self, key: bytes, data: bytes) -> None:
-        try:
-            self.disk.write(key, data)
-        finally:
-            with self._pending_lock:
-                self._pending_bytes -= len(data)
+    def _put(self, key: bytes, data: bytes) -> None:
+        if self.cluster.put(key, data):
+            self.stats.cluster.writes += 1
+        else:
+            self._in_cluster.discard(key)
+            self.stats.cluster.writes_dropped += 1
 
     def flush(self) -> None:
-        """Waits for the disk writes queued so far."""
-        self._writer.submit(lambda: None).result()
+        """Waits for the disk and cluster writes queued so far."""
+        for writer in (self._disk_writer, self._cluster_writer):
+            if writer is not None:
+                writer.flush()
 
-    def load(self, blocks: Sequence[tuple[bytes, int]]) -> Future:
+    def load(self, blocks: Sequence[tuple[bytes, int]]) -> TierLoad:
         """Copies (block hash, block id) pairs from the tiers into the KV tensors in a
-        background thread; the future gives the bytes loaded or raises StoreMiss."""
-        return self._loader.submit(self._load, list(blocks))
+        background thread; the load's future gives the bytes loaded or raises StoreMiss."""
+        load = TierLoad()
+        load.future = self._loader.submit(self._load, list(blocks), load)
+        return load
 
-    def _load(self, blocks: list[tuple[bytes, int]]) -> int:
+    def _load(self, blocks: list[tuple[bytes, int]], load: TierLoad) -> int:
         for block_hash, block_id in blocks:
             key = self.key(block_hash)
             targets = list(chunks(self.kv_caches, [block_id]))
-            if self.host is not None and self.host.copy_out(key, targets):
-                self.stats.host_hits += 1
-                continue
-            data = self.disk.read(key, self.block_bytes) if self.disk is not None else None
+            start = time.perf_counter()
+            if self.host is not None:
+                with self.host.lock:
+                    slot = self.host.find(key)
+                    if slot is not None:
+                        load.scatter(slot, targets)
+                if slot is not None:
+                    self._count(self.stats.host, start)
+                    continue
+            tier, data = self.stats.disk, None
+            if self.disk is not None:
+                data = self.disk.read(key, self.block_bytes)
+            if data is None and self.cluster is not None:
+                tier, data = self.stats.cluster, self.cluster.get(key, self.block_bytes)
+                if not data:
+                    self._in_cluster.discard(key)
+                    tier.corrupt += data is not None  # b"": it failed its MAC
+                    data = None
             if data is None:
                 raise StoreMiss(f"KV block {key.hex()} is no longer stored")
-            _scatter(memoryview(data), targets)
-            self.stats.disk_hits += 1
+            load.scatter(memoryview(data), targets)
+            self._count(tier, start)
             if self.host is not None:  # the next turn finds it in memory
                 self.host.put(key, [memoryview(data)])
-        self.stats.bytes_loaded += len(blocks) * self.block_bytes
         return len(blocks) * self.block_bytes
+
+    def _count(self, tier: TierCounters, start: float) -> None:
+        tier.hits += 1
+        tier.bytes_loaded += self.block_bytes
+        tier.load_seconds += time.perf_counter() - start

@@ -11,6 +11,9 @@ Clients' API key is the router's to check (passed in its environment, never on a
 line); the server options (queue limit, body limit, shutdown timeout, protected metrics,
 tool-call and reasoning parsers) go to every worker, and the body limit and protected
 metrics to the router too.
+
+`--kv-store mooncake` first starts a Mooncake Store (its master, bound to loopback, and a
+process holding the pool's memory) and points every worker's cluster tier at it.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
     worker_env = {k: v for k, v in os.environ.items() if k != "EMBER_API_KEY"}
     router_env = dict(worker_env, **({"EMBER_API_KEY": access.api_key} if access.api_key else {}))
     try:
+        if engine_options.get("kv_store") == "mooncake":
+            engine_options = start_store(cluster, engine_options, worker_env)
         model = [args.model] if args.model else []
         urls, router_args = [], []
         for i, (role, cores) in enumerate(zip(roles, pins, strict=True)):
@@ -144,6 +149,24 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
     return 0
 
 
+DEFAULT_STORE_MEMORY = 2 << 30
+
+
+def start_store(cluster: Cluster, options: dict, env: dict[str, str]) -> dict:
+    """`--kv-store mooncake`: a Mooncake Store master and a process holding its memory
+    (--kv-store-memory, default 2 GiB) on this machine; the workers' options point at it."""
+    from ember.kv.mooncake import store_commands, wait_listening
+
+    memory = options.get("kv_store_memory") or DEFAULT_STORE_MEMORY
+    master, holder, address = store_commands(memory)
+    cluster.start_program("mooncake master", master, env)
+    wait_listening(int(address.rsplit(":", 1)[1]), timeout=30.0)
+    cluster.start_program("mooncake store memory", holder, env)
+    holder_port = int(next(a for a in holder if a.startswith("--port=")).split("=")[1])
+    wait_listening(holder_port, timeout=30.0)
+    return dict(options, kv_store=f"mooncake://{address}", kv_store_memory=0)
+
+
 class Cluster:
     def __init__(self) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
@@ -160,6 +183,10 @@ class Cluster:
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", *command], preexec_fn=pin, env=env
         )
+
+    def start_program(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        logger.info("starting %s: %s", name, " ".join(argv))
+        self.processes[name] = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
 
     def wait_healthy(self, urls: list[str], num_workers: int | None = None) -> None:
         """Until each URL answers /health (a router: with all num_workers in its pool)."""

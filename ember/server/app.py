@@ -144,6 +144,7 @@ def build_app(
                 "holds_expired": stats.kv_holds_expired,
                 "bytes_sent": stats.kv_bytes_sent,
             },
+            "kv_tiers": stats.kv_tiers,  # hits, bytes and load time per tier, evictions, ...
             "healthy": not llm.dead,
         }
 

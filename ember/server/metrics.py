@@ -64,6 +64,19 @@ class ServerMetrics:
             "ember_kv_transfer_bytes", "KV bytes moved, since start.",
             ["model_name", "direction"], registry=r,
         )  # fmt: skip
+        self.kv_tier_blocks = Gauge(
+            "ember_kv_tier_blocks", "KV blocks by tier below the pool (host, disk, cluster) "
+            "and event (hit, write, write_dropped, eviction, corrupt), since start.",
+            ["model_name", "tier", "event"], registry=r,
+        )  # fmt: skip
+        self.kv_tier_bytes = Gauge(
+            "ember_kv_tier_bytes_loaded", "KV bytes loaded from each tier, since start.",
+            ["model_name", "tier"], registry=r,
+        )  # fmt: skip
+        self.kv_tier_seconds = Gauge(
+            "ember_kv_tier_load_seconds", "Seconds spent loading from each tier, since start.",
+            ["model_name", "tier"], registry=r,
+        )  # fmt: skip
         self.kv_held = Gauge(
             "ember_kv_transfers_held", "Finished prefills whose blocks wait for a decode worker.",
             labels, registry=r,
@@ -127,6 +140,11 @@ class ServerMetrics:
         self.kv_bytes.labels(name, "received").set(stats.kv_bytes_received)
         self.kv_bytes.labels(name, "sent").set(stats.kv_bytes_sent)
         self.kv_held.labels(name).set(stats.kv_held)
+        for tier, counters in (stats.kv_tiers or {}).items():
+            for event, field in _TIER_EVENTS.items():
+                self.kv_tier_blocks.labels(name, tier, event).set(counters[field])
+            self.kv_tier_bytes.labels(name, tier).set(counters["bytes_loaded"])
+            self.kv_tier_seconds.labels(name, tier).set(counters["load_seconds"])
         self.steps.labels(name).set(stats.num_steps)
         self.step_seconds.labels(name, "measured").set(stats.step_seconds)
         self.step_seconds.labels(name, "predicted").set(stats.step_predicted_seconds)
@@ -134,6 +152,10 @@ class ServerMetrics:
         self.capped_steps.labels(name).set(stats.num_capped_steps)
         self.prefill_cap.labels(name).set(stats.last_prefill_cap)
         return generate_latest(self.registry)
+
+
+_TIER_EVENTS = {"hit": "hits", "write": "writes", "write_dropped": "writes_dropped",
+                "eviction": "evictions", "corrupt": "corrupt"}  # fmt: skip
 
 
 class RequestTimer:
