@@ -73,6 +73,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="memory this worker adds to the Mooncake Store's pool, e.g. 4G (default: 0)",
     )
     parser.add_argument(
+        "--session-ttl",
+        type=float,
+        default=d.session_ttl,
+        help="seconds an agent session's KV blocks (x-session-affinity or kv_retention "
+        "'session') stay protected from eviction on disk after their last use "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -207,6 +215,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_disk_size=args.kv_disk_size,
         kv_store=args.kv_store,
         kv_store_memory=args.kv_store_memory,
+        session_ttl=args.session_ttl,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -324,6 +324,9 @@ class EngineConfig:
     # (values signed with $EMBER_CLUSTER_SECRET), and the memory this worker adds to its pool
     kv_store: str | None = None
     kv_store_memory: int = 0
+    # seconds an agent session's blocks (x-session-affinity, kv_retention "session") stay
+    # protected on disk (and soft-pinned in the store) after their last save
+    session_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -374,6 +377,8 @@ class EngineConfig:
             from ember.kv.mooncake import parse_store_url
 
             parse_store_url(self.kv_store)
+        if not self.session_ttl >= 0:
+            raise ValueError(f"session_ttl must be >= 0 seconds, got {self.session_ttl!r}")
         if self.kv_store_memory < 0:
             raise ValueError(f"kv_store_memory must be >= 0 bytes, got {self.kv_store_memory}")
         if self.kv_role not in ("mixed", "prefill", "decode"):

@@ -35,10 +35,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
+        kv_retention: str | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in order. Bad input raises ValueError before
-        anything runs."""
+        anything runs. `kv_retention="session"`: the prompts' KV is kept as an agent
+        session's in the tiers below the pool (evicted last, kept on disk for the TTL)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         processed = [self.engine.process_prompt(p) for p in prompts]
@@ -46,7 +48,7 @@ class LLM:
             self.engine.input_processor.check(prompt, param)
         ids = [str(next(self._ids)) for _ in processed]
         for request_id, prompt, param in zip(ids, processed, params, strict=True):
-            self.engine.add_request(request_id, prompt, param, cache_salt)
+            self.engine.add_request(request_id, prompt, param, cache_salt, kv_retention)
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -45,7 +45,7 @@ class FakeStore:
             raise RuntimeError("the store is down")
         return [k in self.values for k in keys]
 
-    def put(self, key, data):
+    def put(self, key, data, pin_seconds=0.0):
         self.values[key] = data
         return True
 

@@ -6,6 +6,7 @@ never matches."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,9 @@ PROMPT_B = [(11 * i) % 480 + 7 for i in range(200)]
 PROMPT_C = [(13 * i) % 470 + 9 for i in range(200)]
 
 
-def tokens(llm: LLM, prompt: list[int], **kw) -> list[int]:
-    return (
-        llm.generate([prompt], SamplingParams(**{**GREEDY.__dict__, **kw}))[0].outputs[0].token_ids
-    )
+def tokens(llm: LLM, prompt: list[int], kv_retention: str | None = None, **kw) -> list[int]:
+    params = SamplingParams(**{**GREEDY.__dict__, **kw})
+    return llm.generate([prompt], params, kv_retention=kv_retention)[0].outputs[0].token_ids
 
 
 def computed(llm: LLM) -> int:
@@ -173,3 +173,70 @@ def test_smollm2_from_the_disk_tier_equals_computing_it(tmp_path):
     assert out.outputs[0].token_ids == fresh
     assert out.num_cached_tokens == 607 // BLOCK * BLOCK  # every full block computed before
     assert computed(restarted) == len(turn2) - out.num_cached_tokens
+
+
+# -- agent sessions: x-session-affinity / kv_retention "session" ------------------------------
+
+SLOTS = 14  # host memory for 14 blocks: A's 12 and two more
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_a_sessions_blocks_are_evicted_last_from_host_memory(tiny_checkpoint, expected, retain):
+    first, turn2, second = expected
+    llm = LLM(str(tiny_checkpoint("llama")), kv_offload_memory=SLOTS * 8192, **POOL)
+    retention = "session" if retain else None
+    assert tokens(llm, PROMPT_A, kv_retention=retention) == first
+    tokens(llm, PROMPT_B)  # their blocks pass through host memory after A's
+    tokens(llm, PROMPT_C)
+    out = llm.generate([turn2], GREEDY, kv_retention=retention)[0]
+    assert out.outputs[0].token_ids == second
+    hits = store(llm).stats.host.hits
+    # a session's blocks outlast the others'; without retention B and C pushed A's out
+    assert hits == (len(PROMPT_A) // BLOCK if retain else 0)
+    assert_clean(llm)
+
+
+def test_a_sessions_blocks_stay_on_disk_for_the_ttl(tiny_checkpoint, expected, tmp_path):
+    first, turn2, second = expected
+    # room on disk for 13 blocks' files (a 36-byte header each): A's 12 and one more
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=13 * (8192 + 36), **POOL)
+    llm = LLM(str(tiny_checkpoint("llama")), **options)
+    assert tokens(llm, PROMPT_A, kv_retention="session") == first
+    store(llm).flush()
+    tokens(llm, PROMPT_B)
+    tokens(llm, PROMPT_C)
+    store(llm).flush()
+    assert len(list(tmp_path.rglob("*.kvs"))) == len(PROMPT_A) // BLOCK  # A's, kept
+    assert len(list(tmp_path.rglob("*.kvb"))) == 1  # room left for one other block
+
+    restarted = LLM(str(tiny_checkpoint("llama")), **options)  # the promise survives
+    out = restarted.generate([turn2], GREEDY, kv_retention="session")[0]
+    assert out.outputs[0].token_ids == second
+    assert out.num_cached_tokens == len(PROMPT_A) // BLOCK * BLOCK
+    assert_clean(restarted)
+
+    # past the TTL a session's blocks are the first to go
+    expiring = LLM(str(tiny_checkpoint("llama")), session_ttl=0.2, **options)
+    time.sleep(0.5)
+    tokens(expiring, PROMPT_B)
+    store(expiring).flush()
+    assert len(list(tmp_path.rglob("*.kvs"))) < len(PROMPT_A) // BLOCK
+
+
+def test_kv_retention_is_checked(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), **POOL)
+    with pytest.raises(ValueError, match="kv_retention"):
+        llm.generate([PROMPT_A], GREEDY, kv_retention="forever")
+
+
+def test_the_session_header_marks_a_session(tiny_checkpoint):
+    from ember.engine.messages import EngineCoreRequest
+
+    core = LLM(str(tiny_checkpoint("llama")), **POOL).engine.core
+
+    def retained(**fields) -> bool:
+        request = EngineCoreRequest("r", PROMPT_A, GREEDY, 8, [], **fields)
+        return core._make_requests(request)[0].retain_kv
+
+    assert retained(session_id="agent-7") and retained(kv_retention="session")
+    assert not retained()

@@ -250,3 +250,14 @@ def test_max_completion_tokens_wins_over_max_tokens(server):
     assert num_tokens(max_tokens=7) == 7
     assert num_tokens(max_tokens=7, max_completion_tokens=3) == 3
     assert num_tokens(max_tokens=None, max_completion_tokens=5) == 5
+
+
+# --- kv_retention ------------------------------------------------------------------------
+
+
+def test_kv_retention_takes_session_only(server):
+    for path, base in [("/v1/completions", GREEDY), ("/v1/chat/completions", CHAT)]:
+        assert post(server, {**base, "kv_retention": "session"}, path).status_code == 200
+        response = post(server, {**base, "kv_retention": "forever"}, path)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "kv_retention"

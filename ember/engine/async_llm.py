@@ -185,6 +185,7 @@ class AsyncLLM:
         session_id: str | None = None,
         grammar: str | None = None,
         kv_transfer: KVTransferParams | None = None,
+        kv_retention: str | None = None,
     ) -> RequestStream:
         """Checks the request and sends it to the core now (call on the event loop; no
         await, so a caller can check `num_waiting` and add without anyone in between).
@@ -199,7 +200,7 @@ class AsyncLLM:
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_prompt(prompt)
         core_request = self.input_processor.process(
-            request_id, prompt, params, cache_salt, session_id, grammar, kv_transfer
+            request_id, prompt, params, cache_salt, session_id, grammar, kv_transfer, kv_retention
         )
         loop = asyncio.get_running_loop()
         sink = _Sink(asyncio.Queue(), loop)

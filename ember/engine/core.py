@@ -107,6 +107,7 @@ class EngineCore:
                 config.kv_disk_dir,
                 config.kv_disk_size,
                 cluster,
+                config.session_ttl,
             )
         return KVConnectorScheduler(
             worker, config.block_size, config.kv_hold_timeout, store, config.kv_load_timeout
@@ -177,6 +178,8 @@ class EngineCore:
                     max_tokens=core_request.max_tokens,
                     eos_token_ids=frozenset(core_request.eos_token_ids),
                     cache_salt=core_request.cache_salt,
+                    retain_kv=core_request.session_id is not None
+                    or core_request.kv_retention == "session",
                     wait_for=requests[0] if requests else None,
                     grammar=self._matcher(core_request.grammar),
                     kv_transfer=kv,

@@ -48,13 +48,16 @@ class LLMEngine:
         prompt: str | list[int] | ProcessedPrompt,
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_retention: str | None = None,
     ) -> None:
         """Queues a request; a ValueError names a bad parameter and leaves nothing queued."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_prompt(prompt)
-        core_request = self.input_processor.process(request_id, prompt, params, cache_salt)
+        core_request = self.input_processor.process(
+            request_id, prompt, params, cache_salt, kv_retention=kv_retention
+        )
         self.core.add_request(core_request)
         self.output_processor.add_request(request_id, prompt, params)
 

@@ -42,6 +42,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     session_id: str | None = None  # from x-session-affinity; logged, used by routers
     grammar: str | None = None  # an llguidance grammar every output must follow
     kv_transfer: KVTransferParams | None = None  # disaggregation: hold for, or load from
+    kv_retention: str | None = None  # "session": the prompt's KV kept as a session's
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

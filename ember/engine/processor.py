@@ -66,6 +66,7 @@ class InputProcessor:
         session_id: str | None = None,
         grammar: str | None = None,
         kv_transfer: KVTransferParams | None = None,
+        kv_retention: str | None = None,
     ) -> EngineCoreRequest:
         """The message for the core, after checking that prompt and max_tokens fit.
 
@@ -74,6 +75,8 @@ class InputProcessor:
         request (nothing to hand over).
         """
         max_tokens = self.check(prompt, params)
+        if kv_retention not in (None, "session"):
+            raise ValueError(f"kv_retention must be 'session' or None, got {kv_retention!r}")
         if kv_transfer is not None and params.n != 1:
             raise ValueError("kv_transfer_params: only requests with n = 1 can be disaggregated")
         remote = kv_transfer.remote_prefill if kv_transfer is not None else None
@@ -100,6 +103,7 @@ class InputProcessor:
             session_id=session_id,
             grammar=grammar,
             kv_transfer=kv_transfer,
+            kv_retention=kv_retention,
         )
 
     def check(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:

@@ -54,6 +54,9 @@ class Request:
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
+    # an agent session's (x-session-affinity or kv_retention): its KV is evicted last from
+    # the tiers below the pool and kept on disk for the session TTL
+    retain_kv: bool = False
     # n > 1: a sibling whose prompt blocks this request waits for, to share them.
     wait_for: Request | None = None
     # grammar-constrained decoding: the sampler masks to what this allows (grammar_masks)

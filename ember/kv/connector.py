@@ -369,7 +369,7 @@ class KVConnectorScheduler:
             request.num_computed_tokens // self.block_size,
         )
         hashes = request.block_hashes[:num_blocks]
-        self.store.save(zip(hashes, block_ids[:num_blocks], strict=True))
+        self.store.save(zip(hashes, block_ids[:num_blocks], strict=True), request.retain_kv)
 
     def hold(self, request, block_ids: list[int]) -> RemotePrefill | None:
         """Holds a finished prefill's blocks for a decode worker, if it asked for that and

@@ -198,9 +198,18 @@ class MooncakeStoreTier:
             raise OSError(f"the Mooncake Store at {self.master} did not answer a lookup")
         return [flag == 1 for flag in found]
 
-    def put(self, key: bytes, data: bytes) -> bool:
-        rc = self._store.put(self.name(key), self._mac(key, data) + data)
-        return rc == 0
+    def put(self, key: bytes, data: bytes, pin_seconds: float = 0.0) -> bool:
+        """Stores a block; `pin_seconds` > 0 soft-pins it (a session's: the master evicts
+        it after unpinned blocks) for that long."""
+        value = self._mac(key, data) + data
+        if pin_seconds <= 0:
+            return self._store.put(self.name(key), value) == 0
+        from mooncake.store import ReplicateConfig, SoftPinAction
+
+        config = ReplicateConfig()
+        config.soft_pin_action = SoftPinAction.ENABLE
+        config.soft_pin_ttl_ms = int(pin_seconds * 1000)
+        return self._store.put(self.name(key), value, config) == 0
 
     def get(self, key: bytes, length: int) -> bytes | None:
         """The block's bytes; None if absent; b"" if they fail their MAC (then removed)."""

@@ -51,6 +51,7 @@ logger = logging.getLogger("ember.kv")
 MAGIC = b"EMBERKV1"
 _HEADER = struct.Struct("<8s16sQI")  # magic, key, length, crc32
 SUFFIX = ".kvb"
+SESSION_SUFFIX = ".kvs"  # a session's block, kept for the session TTL
 # disk writes waiting in memory beyond this are dropped (the block stays in host memory)
 MAX_PENDING_WRITE_BYTES = 256 << 20
 
@@ -94,7 +95,10 @@ def namespace(identity: str) -> bytes:
 
 
 class HostTier:
-    """Blocks in host memory: a preallocated pool of `capacity // block_bytes` slots."""
+    """Blocks in host memory: a preallocated pool of `capacity // block_bytes` slots.
+
+    Two LRU lists: blocks of agent sessions (`retain`) are evicted only when no other block
+    is left."""
 
     def __init__(self, capacity: int, block_bytes: int, stats: TierCounters) -> None:
         num_slots = capacity // block_bytes
@@ -104,85 +108,114 @@ class HostTier:
             )
         self.buffer = torch.empty((num_slots, block_bytes), dtype=torch.uint8)
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, LRU first
+        self.kept: OrderedDict[bytes, int] = OrderedDict()  # the sessions' blocks
         self._free = list(range(num_slots - 1, -1, -1))
         self.lock = threading.Lock()
         self._stats = stats
 
     def __contains__(self, key: bytes) -> bool:
         with self.lock:
-            return key in self.slots
+            return key in self.slots or key in self.kept
 
-    def put(self, key: bytes, views: Iterable[memoryview], copy: bool = False) -> bytes | None:
-        """Copies a block in (evicting the least recently used one if full); with `copy`,
-        returns a copy of its bytes, taken under the same lock."""
+    def put(
+        self, key: bytes, views: Iterable[memoryview], copy: bool = False, retain: bool = False
+    ) -> bytes | None:
+        """Copies a block in (evicting the least recently used one if full), now the most
+        recent of its list (`retain`: the sessions'); with `copy`, returns a copy of its
+        bytes, taken under the same lock."""
         with self.lock:
-            slot = self.slots.get(key)
-            if slot is not None:
-                self.slots.move_to_end(key)
-            else:
+            slot = self.slots.pop(key, None)
+            if slot is None:
+                slot = self.kept.pop(key, None)
+                retain = retain or slot is not None  # once a session's, kept as one
+            if slot is None:
                 if self._free:
                     slot = self._free.pop()
                 else:
-                    _, slot = self.slots.popitem(last=False)
+                    _, slot = (self.slots or self.kept).popitem(last=False)
                     self._stats.evictions += 1
                 target, offset = self._view(slot), 0
                 for view in views:
                     target[offset : offset + len(view)] = view
                     offset += len(view)
-                self.slots[key] = slot
                 self._stats.writes += 1
+            (self.kept if retain else self.slots)[key] = slot
             return bytes(self._view(slot)) if copy else None
 
     def find(self, key: bytes) -> memoryview | None:
         """A block's bytes in place, now the most recent (hold `lock` while using them)."""
-        slot = self.slots.get(key)
-        if slot is None:
-            return None
-        self.slots.move_to_end(key)
-        return self._view(slot)
+        for lru in (self.slots, self.kept):
+            slot = lru.get(key)
+            if slot is not None:
+                lru.move_to_end(key)
+                return self._view(slot)
+        return None
 
     def _view(self, slot: int) -> memoryview:
         return memoryview(self.buffer[slot].numpy()).cast("B")
 
 
 class DiskTier:
-    """Blocks as files under `directory/<namespace>`, at most `capacity` bytes of them."""
+    """Blocks as files under `directory/<namespace>`, at most `capacity` bytes of them.
 
-    def __init__(self, directory: str | Path, capacity: int, space: bytes, stats: TierCounters):
+    Blocks of agent sessions (`retain`) are files with SESSION_SUFFIX, evicted only after
+    every other block, or once `session_ttl` seconds have passed since they were last
+    saved (their mtime, so a restart keeps the promise)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity: int,
+        space: bytes,
+        stats: TierCounters,
+        session_ttl: float = 0.0,
+    ) -> None:
         self.dir = Path(directory) / space.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
+        self.session_ttl = session_ttl
         self._stats = stats
         self._lock = threading.Lock()
         self.files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
+        self.kept: OrderedDict[bytes, int] = OrderedDict()  # the sessions' blocks, LRU first
+        self.kept_until: dict[bytes, float] = {}  # and when their TTL ends (time.time())
         self.num_bytes = 0
         found = []
         for path in self.dir.iterdir():
-            if path.suffix != SUFFIX:
+            if path.suffix not in (SUFFIX, SESSION_SUFFIX):
                 path.unlink(missing_ok=True)  # a write cut short by a crash or a kill
                 continue
             try:
                 stat = path.stat()
-                found.append((stat.st_mtime_ns, bytes.fromhex(path.stem), stat.st_size))
+                key = bytes.fromhex(path.stem)
             except (OSError, ValueError):
                 path.unlink(missing_ok=True)
-        for _, key, size in sorted(found):  # oldest first: the first evicted
-            self.files[key] = size
+                continue
+            found.append((stat.st_mtime_ns, key, stat.st_size, path.suffix == SESSION_SUFFIX))
+        for mtime, key, size, kept in sorted(found):  # oldest first: the first evicted
+            (self.kept if kept else self.files)[key] = size
             self.num_bytes += size
+            if kept:
+                self.kept_until[key] = mtime / 1e9 + session_ttl
         self._evict()
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
-            return key in self.files
+            return key in self.files or key in self.kept
 
-    def path(self, key: bytes) -> Path:
-        return self.dir / f"{key.hex()}{SUFFIX}"
+    def path(self, key: bytes, kept: bool | None = None) -> Path:
+        if kept is None:
+            kept = key in self.kept
+        return self.dir / f"{key.hex()}{SESSION_SUFFIX if kept else SUFFIX}"
 
-    def write(self, key: bytes, data: bytes) -> None:
-        """Writes a block atomically (a temporary file renamed into place)."""
+    def write(self, key: bytes, data: bytes, retain: bool = False) -> None:
+        """Writes a block atomically (a temporary file renamed into place); one already
+        here is only kept longer if `retain` (its TTL starts again)."""
         if key in self:
+            if retain:
+                self._retain(key)
             return
-        path = self.path(key)
+        path = self.path(key, retain)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         header = _HEADER.pack(MAGIC, key, len(data), zlib.crc32(data))
         try:
@@ -195,18 +228,40 @@ class DiskTier:
             logger.warning("KV block not written to %s: %s", path, exc)
             return
         with self._lock:
-            self.files[key] = len(header) + len(data)
+            (self.kept if retain else self.files)[key] = len(header) + len(data)
             self.num_bytes += len(header) + len(data)
+            if retain:
+                self.kept_until[key] = time.time() + self.session_ttl
             self._stats.writes += 1
             self._evict()
+
+    def _retain(self, key: bytes) -> None:
+        """Marks a stored block as a session's, or starts its TTL again."""
+        now = time.time()
+        with self._lock:
+            until = self.kept_until.get(key)
+            if until is not None and until - now > self.session_ttl / 2:
+                return  # renewed recently enough: spare the disk a write
+            try:
+                if until is None:
+                    os.replace(self.path(key, False), self.path(key, True))
+                else:
+                    os.utime(self.path(key, True))
+            except OSError:
+                return
+            if until is None:
+                self.kept[key] = self.files.pop(key)
+            self.kept.move_to_end(key)
+            self.kept_until[key] = now + self.session_ttl
 
     def read(self, key: bytes, length: int) -> bytes | None:
         """A block's bytes, or None if absent; a damaged file is deleted (None)."""
         with self._lock:
-            if key not in self.files:
+            lru = self.kept if key in self.kept else self.files
+            if key not in lru:
                 return None
-            self.files.move_to_end(key)
-        path = self.path(key)
+            lru.move_to_end(key)
+            path = self.path(key)
         try:
             raw = path.read_bytes()
         except OSError:
@@ -225,17 +280,26 @@ class DiskTier:
 
     def _drop(self, key: bytes) -> None:
         with self._lock:
-            size = self.files.pop(key, None)
+            path = self.path(key)
+            size = self.files.pop(key, None) or self.kept.pop(key, None)
+            self.kept_until.pop(key, None)
             if size is not None:
                 self.num_bytes -= size
-        self.path(key).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
     def _evict(self) -> None:
-        """Oldest files out until within capacity (lock held)."""
-        while self.num_bytes > self.capacity and self.files:
-            key, size = self.files.popitem(last=False)
-            self.num_bytes -= size
-            self.path(key).unlink(missing_ok=True)
+        """Files out until within capacity (lock held): a session's block whose TTL has
+        passed, else the least recently used of the others, else of the sessions'."""
+        now = time.time()
+        while self.num_bytes > self.capacity and (self.files or self.kept):
+            oldest_kept = next(iter(self.kept), None)
+            expired = oldest_kept is not None and self.kept_until[oldest_kept] <= now
+            lru = self.kept if expired or not self.files else self.files
+            victim = next(iter(lru))
+            path = self.path(victim)
+            self.num_bytes -= lru.pop(victim)
+            self.kept_until.pop(victim, None)
+            path.unlink(missing_ok=True)
             self._stats.evictions += 1
 
 
@@ -256,17 +320,17 @@ class _Writer:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, key: bytes, data: bytes) -> None:
+    def submit(self, key: bytes, data: bytes, retain: bool) -> None:
         with self._lock:
             if self._pending + len(data) > MAX_PENDING_WRITE_BYTES:
                 self._stats.writes_dropped += 1
                 return
             self._pending += len(data)
-        self._pool.submit(self._run, key, data)
+        self._pool.submit(self._run, key, data, retain)
 
-    def _run(self, key: bytes, data: bytes) -> None:
+    def _run(self, key: bytes, data: bytes, retain: bool) -> None:
         try:
-            self._write(key, data)
+            self._write(key, data, retain)
         except Exception as exc:  # noqa: BLE001 - a tier that fails to store loses a block
             logger.warning("KV block not stored: %s", exc)
             self._stats.writes_dropped += 1
@@ -344,6 +408,7 @@ class TieredStore:
         disk_dir: str | None,
         disk_bytes: int,
         cluster=None,  # a MooncakeStoreTier (exists, put, get, close), or None
+        session_ttl: float = 3600.0,
     ) -> None:
         self.kv_caches = kv_caches
         self.block_bytes = block_bytes(kv_caches)
@@ -351,7 +416,10 @@ class TieredStore:
         self.stats = TierStats()
         stats = self.stats
         self.host = HostTier(host_bytes, self.block_bytes, stats.host) if host_bytes else None
-        self.disk = DiskTier(disk_dir, disk_bytes, self.space, stats.disk) if disk_dir else None
+        self.disk = None
+        if disk_dir:
+            self.disk = DiskTier(disk_dir, disk_bytes, self.space, stats.disk, session_ttl)
+        self.session_ttl = session_ttl
         self.cluster = cluster
         self._in_cluster = KnownKeys()
         self._disk_writer = _Writer("disk", self.disk.write, stats.disk) if self.disk else None
@@ -390,27 +458,32 @@ class TieredStore:
                 self._in_cluster.add(key)
         return found
 
-    def save(self, blocks: Iterable[tuple[bytes, int]]) -> None:
+    def save(self, blocks: Iterable[tuple[bytes, int]], retain: bool = False) -> None:
         """Copies (block hash, block id) pairs not yet stored out of the KV tensors (call
         between steps, before the blocks are freed); disk and cluster writes go on in the
-        background."""
+        background. `retain`: an agent session's blocks, evicted last (host memory, the
+        store's soft pin) and kept on disk for the session TTL."""
         for block_hash, block_id in blocks:
             key = self.key(block_hash)
-            to_disk = self.disk is not None and key not in self.disk
+            on_disk = self.disk is not None and key in self.disk
+            to_disk = self.disk is not None and not on_disk
             to_cluster = self.cluster is not None and key not in self._in_cluster
             if self.host is not None:
                 views = chunks(self.kv_caches, [block_id])
-                data = self.host.put(key, views, copy=to_disk or to_cluster)  # now most recent
+                copy = to_disk or to_cluster  # now the most recent:
+                data = self.host.put(key, views, copy=copy, retain=retain)
             elif to_disk or to_cluster:
                 data = b"".join(chunks(self.kv_caches, [block_id]))
             if to_disk:
-                self._disk_writer.submit(key, data)
+                self._disk_writer.submit(key, data, retain)
+            elif on_disk and retain:  # its TTL starts again
+                self._disk_writer.submit(key, b"", True)
             if to_cluster:
                 self._in_cluster.add(key)  # written once, even while the write is queued
-                self._cluster_writer.submit(key, data)
+                self._cluster_writer.submit(key, data, retain)
 
-    def _put(self, key: bytes, data: bytes) -> None:
-        if self.cluster.put(key, data):
+    def _put(self, key: bytes, data: bytes, retain: bool) -> None:
+        if self.cluster.put(key, data, self.session_ttl if retain else 0.0):
             self.stats.cluster.writes += 1
         else:
             self._in_cluster.discard(key)

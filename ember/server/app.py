@@ -158,15 +158,17 @@ def build_app(
 
 async def _serve(serving, body, request: Request):
     secret = request.app.state.cluster_secret
-    ctx = _context(request, body.cache_salt, kv_transfer_of(body, secret))
+    ctx = _context(request, body.cache_salt, kv_transfer_of(body, secret), body.kv_retention)
     return await _respond(serving.create(body, ctx), request)
 
 
-def _context(request: Request, cache_salt=None, kv_transfer=None) -> RequestContext:
+def _context(
+    request: Request, cache_salt=None, kv_transfer=None, kv_retention=None
+) -> RequestContext:
     session_id = request.headers.get(SESSION_HEADER)
     if session_id:
         logger.info("%s session=%s", request.url.path, session_id)
-    return RequestContext(session_id, cache_salt, kv_transfer)
+    return RequestContext(session_id, cache_salt, kv_transfer, kv_retention=kv_retention)
 
 
 async def _respond(work, request: Request, headers: dict[str, str] | None = None):

@@ -96,6 +96,7 @@ FIELDS: tuple[RequestField, ...] = (
     _honoured("stream_options.continuous_usage_stats", BOTH, "vLLM's; usage in every chunk"),
     _honoured("add_generation_prompt", CHAT, "vLLM's"),
     _honoured("cache_salt", BOTH, "vLLM's; keeps a tenant's prefix cache apart"),
+    _honoured("kv_retention", BOTH, "ember's; 'session' keeps the KV as a session's"),
     _honoured("kv_transfer_params", BOTH, "ember's router sets it; clients cannot"),
     _honoured("prompt_logprobs", COMPLETIONS, "vLLM's; computes the whole prompt (no cache)"),
     _refused("prompt_logprobs", CHAT, 1),

@@ -149,6 +149,8 @@ class _Sampling(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    # ember's: keep this prompt's KV as an agent session's (as x-session-affinity does)
+    kv_retention: Literal["session"] | None = None
     # disaggregation, set by `ember router`: {"do_remote_decode": true} to a prefill
     # worker, the prefill's answer ({"remote_prefill": ...}) to a decode worker
     kv_transfer_params: dict | None = None

@@ -157,8 +157,10 @@ class MessagesRequest(_Body):
     speed: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
-    # ember's own, as on the chat endpoint: keeps one tenant's prefix cache apart
+    # ember's own, as on the chat endpoint: keeps one tenant's prefix cache apart, and
+    # keeps the prompt's KV as an agent session's
     cache_salt: str | None = None
+    kv_retention: Literal["session"] | None = None
     # refused unless null (see _REFUSED)
     container: Any = None
     diagnostics: Any = None

@@ -42,6 +42,7 @@ class RequestContext:
     session_id: str | None = None
     cache_salt: str | None = None
     kv_transfer: KVTransferParams | None = None
+    kv_retention: str | None = None  # "session": keep the prompt's KV as a session's
     # called with each engine output before the endpoint answers from it: what an API
     # layered on another endpoint reads there (usage, the stop string that matched)
     observe: Callable[[RequestOutput], None] | None = None
@@ -151,6 +152,7 @@ class ServingBase:
                     session_id=ctx.session_id,
                     grammar=grammar,
                     kv_transfer=ctx.kv_transfer,
+                    kv_retention=ctx.kv_retention,
                 )
                 streams.append(stream)
         except BaseException as exc:
