@@ -202,3 +202,29 @@ def child_processes_naming(needle: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def test_a_shared_store_makes_a_moved_session_cheaper_than_a_recompute():
+    """Workers that report the same kv_store: a prompt computed on one costs the other
+    STORE_HIT_COST of a recompute for the stored part (more than a local hit)."""
+    from ember.router.policy import STORE_HIT_COST
+
+    text = SYSTEM + "a long agent conversation " * 40
+    turn2 = text + "and the next turn"
+    for shared in (False, True):
+        router = Router(["http://a", "http://b"])
+        for worker in router.workers:
+            worker.reported = {"kv_store": "mooncake://10.0.0.1:50051"} if shared else {}
+        home = served(router, text, "s1").worker
+        other = next(w for w in router.workers if w is not home)
+        home.tokens_in_flight = 100_000  # the home is busy: the session spills
+        decision = router.choose(turn2, 16, "s1")
+        assert decision.reason == "spill" and decision.worker is other
+        prompt = len(turn2) // 4 + 1
+        if shared:
+            loaded = len(text) // 64 * 64 // 4
+            assert decision.cost == prompt - loaded + round(loaded * STORE_HIT_COST) + 16
+        else:
+            assert decision.cost == prompt + 16
+        home.tokens_in_flight = 0
+        assert router.choose(turn2, 16, "s1").cost < decision.cost  # a local hit: cheaper

@@ -112,6 +112,7 @@ class AsyncLLM:
         config = core.config
         self.role = config.kv_role
         self.block_size = config.block_size
+        self.kv_store = config.kv_store  # the cluster tier it shares, if any
         self.client = core  # loads the model while we load the tokenizer
         try:
             checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
