@@ -16,7 +16,8 @@ from server_utils import EmberServer
 TRACE = Path(__file__).parent / "data" / "mooncake-conversation-head.jsonl"
 SUMMARY_KEYS = {
     "duration_s", "num_requests", "num_completed", "num_sessions", "num_turns",
-    "prompt_tokens", "cached_tokens", "output_tokens", "request_throughput",
+    "prompt_tokens", "cached_tokens", "recomputed_prompt_tokens", "output_tokens",
+    "request_throughput",
     "output_throughput", "total_token_throughput", "goodput", "slo_ms", "cache_hit_ratio",
     "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "per_turn", "errors",
 }  # fmt: skip
@@ -83,6 +84,15 @@ def test_agentic_sessions_grow_carry_their_header_and_hit_the_cache(tiny, tmp_pa
         assert all(r["echoed_session"] == session for r in turns)  # sent, and echoed back
     assert summary["cache_hit_ratio"] > 0
     assert [t["turn"] for t in summary["per_turn"]] == [0, 1, 2]
+    for t in summary["per_turn"]:
+        turn = [r for r in records if r["turn"] == t["turn"]]
+        recomputed = sum(r["prompt_tokens"] - r["cached_tokens"] for r in turn) / len(turn)
+        assert t["recomputed_tokens_mean"] == pytest.approx(recomputed)
+        if t["ttft_ms_p50"] is not None:  # (forced tool calls stream no content token)
+            assert t["ttft_ms_p50"] <= t["ttft_ms_p90"]
+    assert summary["recomputed_prompt_tokens"] == sum(
+        r["prompt_tokens"] - r["cached_tokens"] for r in records
+    )
 
 
 def test_trace_replay_reproduces_shared_prefixes_on_time(tiny, tmp_path):

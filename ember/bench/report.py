@@ -48,6 +48,7 @@ def summarize(records: list[RequestRecord], wall: float, slo: dict[str, float]) 
         "num_turns": max((r.turn for r in records), default=-1) + 1,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
+        "recomputed_prompt_tokens": prompt - cached,  # the servers computed (not cached)
         "output_tokens": output,
         "request_throughput": len(ok) / wall,
         "output_throughput": output / wall,
@@ -75,18 +76,23 @@ def _per_turn(records: list[RequestRecord]) -> list[dict]:
     turns: dict[int, list[RequestRecord]] = defaultdict(list)
     for record in records:
         turns[record.turn].append(record)
-    return [
-        {
+    out = []
+    for turn, rs in sorted(turns.items()):
+        ttft = distribution([r.ttft for r in rs if r.ttft is not None])
+        out.append({
             "turn": turn,
             "count": len(rs),
-            "ttft_ms_mean": statistics.fmean(r.ttft * 1e3 for r in rs if r.ttft is not None)
-            if any(r.ttft is not None for r in rs)
-            else None,
+            "ttft_ms_mean": ttft["mean"],
+            "ttft_ms_p50": ttft["p50"],
+            "ttft_ms_p90": ttft["p90"],
             "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
             "cached_tokens_mean": statistics.fmean(r.cached_tokens for r in rs),
-        }
-        for turn, rs in sorted(turns.items())
-    ]
+            # prompt tokens the server computed: what an evicted or moved session costs
+            "recomputed_tokens_mean": statistics.fmean(
+                r.prompt_tokens - r.cached_tokens for r in rs
+            ),
+        })  # fmt: skip
+    return out
 
 
 def result_json(config: dict, summary: dict, records: list[RequestRecord]) -> dict:
@@ -111,11 +117,13 @@ def print_summary(summary: dict) -> None:
                         for k in ("mean", "p50", "p90", "p99"))  # fmt: skip
         print(f"{name.upper():<6}{cells}")
     if s["num_turns"] > 1:
-        print("turn  requests  prompt tokens  cached  TTFT mean (ms)")
+        print("turn  requests  prompt tokens  cached  recomputed  TTFT p50 / p90 (ms)")
         for t in s["per_turn"]:
-            ttft = f"{t['ttft_ms_mean']:.1f}" if t["ttft_ms_mean"] is not None else "-"
+            ttft = "/".join(f"{t[k]:.1f}" if t[k] is not None else "-"
+                            for k in ("ttft_ms_p50", "ttft_ms_p90"))  # fmt: skip
             print(f"{t['turn']:<6}{t['count']:>8}{t['prompt_tokens_mean']:>15.1f}"
-                  f"{t['cached_tokens_mean']:>8.1f}{ttft:>16}")  # fmt: skip
+                  f"{t['cached_tokens_mean']:>8.1f}{t['recomputed_tokens_mean']:>12.1f}"
+                  f"{ttft:>21}")  # fmt: skip
     if s["errors"]:
         print(f"errors: {s['errors']}")
 
