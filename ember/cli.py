@@ -73,6 +73,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="memory this worker adds to the Mooncake Store's pool, e.g. 4G (default: 0)",
     )
     parser.add_argument(
+        "--kv-connectors",
+        type=lambda text: tuple(name.strip() for name in text.split(",") if name.strip()),
+        default=d.kv_connectors,
+        help="the KV connectors to run, in order: disagg, tiers, or module:factory of your "
+        "own (default: disagg,tiers)",
+    )
+    parser.add_argument(
         "--session-ttl",
         type=float,
         default=d.session_ttl,
@@ -216,6 +223,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_store=args.kv_store,
         kv_store_memory=args.kv_store_memory,
         session_ttl=args.session_ttl,
+        kv_connectors=args.kv_connectors,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

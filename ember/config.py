@@ -315,6 +315,9 @@ class EngineConfig:
     kv_load_timeout: float = 10.0  # seconds a decode worker waits on a transfer's socket
     kv_checksum: bool = False  # CRC-32 over every transfer (costs about a third of its speed)
     kv_fake_fault: str | None = None  # the fake transport's fault (tests)
+    # the KV connectors an engine runs, in order (ember.kv.connector): disagg, tiers (when
+    # a tier is configured), or module:factory of your own
+    kv_connectors: tuple[str, ...] = ("disagg", "tiers")
     # tiers below the pool (ember.kv.tiers): bytes of host memory for blocks that leave
     # the pool, and a directory (and its size) where they are kept on disk across restarts
     kv_offload_memory: int | None = None

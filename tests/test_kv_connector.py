@@ -168,7 +168,7 @@ def test_a_peer_without_the_secret_is_refused(
 
 def test_the_endpoint_serves_only_held_blocks(prefill_core):
     remote = prefill(prefill_core, "p")
-    server = prefill_core.connector.worker.server
+    server = prefill_core.connector.get("disagg").worker.server
     with socket.create_connection((server.host, server.port), timeout=5) as sock:
         wire.prepare(sock, 5.0)
         wire.authenticate_server(sock, b"test-secret")

@@ -74,7 +74,7 @@ def expected(tiny_checkpoint):
 
 
 def _store(llm: LLM):
-    return llm.engine.core.connector.store
+    return llm.engine.core.kv_store
 
 
 def test_another_worker_loads_the_prefix_from_the_store(tiny_checkpoint, expected, fake_store):
@@ -93,10 +93,10 @@ def test_another_worker_loads_the_prefix_from_the_store(tiny_checkpoint, expecte
 
 
 def test_a_slow_lookup_computes_instead(tiny_checkpoint, expected, fake_store, monkeypatch):
-    import ember.kv.connector
+    import ember.kv.store_connector
 
     first, turn2, second = expected
-    monkeypatch.setattr(ember.kv.connector, "LOOKUP_WAIT", 0.2)
+    monkeypatch.setattr(ember.kv.store_connector, "LOOKUP_WAIT", 0.2)
     a = LLM(str(tiny_checkpoint("llama")), kv_store=URL, **POOL)
     tokens(a, PROMPT_A)
     _store(a).flush()

@@ -34,7 +34,7 @@ def computed(llm: LLM) -> int:
 
 
 def store(llm: LLM):
-    return llm.engine.core.connector.store
+    return llm.engine.core.kv_store
 
 
 def assert_clean(llm: LLM) -> None:
@@ -99,7 +99,7 @@ def test_a_damaged_block_file_falls_back_to_recompute(tiny_checkpoint, expected,
     assert tokens(llm, PROMPT_A) == first
     store(llm).flush()
     restarted = LLM(str(tiny_checkpoint("llama")), **options)
-    victim = restarted.engine.core.connector.store
+    victim = restarted.engine.core.kv_store
     key = victim.key(_first_block_hash(restarted, PROMPT_A))
     path = victim.disk.path(key)
     if damage == "flip":

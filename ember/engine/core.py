@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ember import envs, startup
+from ember import startup
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
@@ -24,8 +24,8 @@ from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_cost import StepCostModel, StepShape
-from ember.kv.buffers import Prefaulter
-from ember.kv.connector import KVConnectorScheduler, KVConnectorWorker
+from ember.kv.buffers import Prefaulter, block_bytes
+from ember.kv.connector import ConnectorContext, KVStats, MultiConnector, make_connector
 from ember.kv.tiers import TieredStore
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
 
@@ -78,40 +78,14 @@ class EngineCore:
         self.num_sequences_received = 0
         logger.info("engine ready in %.2f s", time.perf_counter() - start)
 
-    def _make_connector(self, config: EngineConfig) -> KVConnectorScheduler:
-        worker = KVConnectorWorker(
-            self.runner.kv_caches,
-            role=config.kv_role,
-            transport=config.kv_transport,
-            secret=envs.cluster_secret(),
-            host=config.kv_host,
-            port=config.kv_port,
-            timeout=config.kv_load_timeout,
-            checksum=config.kv_checksum,
-            fake_fault=config.kv_fake_fault,
-            shm_path=self.runner.kv_shm_path,
+    def _make_connector(self, config: EngineConfig) -> MultiConnector:
+        context = ConnectorContext(
+            config, self.runner.kv_caches, self._kv_identity(), self.runner.kv_shm_path, KVStats()
         )
-        store = None
-        if config.kv_offload_memory or config.kv_disk_dir or config.kv_store:
-            cluster = None
-            if config.kv_store:
-                from ember.kv.mooncake import MooncakeStoreTier
-
-                cluster = MooncakeStoreTier(
-                    config.kv_store, envs.cluster_secret(), config.kv_store_memory, config.kv_host
-                )
-            store = TieredStore(
-                self.runner.kv_caches,
-                self._kv_identity(),
-                config.kv_offload_memory,
-                config.kv_disk_dir,
-                config.kv_disk_size,
-                cluster,
-                config.session_ttl,
-            )
-        return KVConnectorScheduler(
-            worker, config.block_size, config.kv_hold_timeout, store, config.kv_load_timeout
-        )
+        connector = make_connector(config.kv_connectors, context)
+        tiers = connector.get("tiers")
+        self.kv_store: TieredStore | None = tiers.store if tiers is not None else None
+        return connector
 
     def _kv_identity(self) -> str:
         """What the KV this engine computes depends on: the checkpoint, the cache layout,
@@ -124,10 +98,9 @@ class EngineCore:
         )
 
     def close(self) -> None:
-        """Stops the KV endpoint and removes the shared-memory KV file, if any."""
-        self.connector.worker.close()
-        if self.connector.store is not None:
-            self.connector.store.close()
+        """Stops the KV connectors (endpoint, threads) and removes the shared-memory KV
+        file, if any."""
+        self.connector.close()
         self.runner.free_kv_cache()
 
     @classmethod
@@ -210,7 +183,7 @@ class EngineCore:
                 f"kv_transfer_params: block_size {remote.block_size} differs from this "
                 f"worker's {self.config.block_size}"
             )
-        if remote.block_bytes != self.connector.worker.block_bytes:
+        if remote.block_bytes != block_bytes(self.runner.kv_caches):
             raise ValueError("kv_transfer_params: the prefill worker's KV layout differs")
         if not 0 < len(remote.first_token_ids) < core_request.max_tokens:
             raise ValueError("kv_transfer_params: first_token_ids must leave tokens to generate")
@@ -251,7 +224,7 @@ class EngineCore:
 
     def tier_writes(self) -> int:
         """Blocks written to the tiers below the pool so far (they go on after a step)."""
-        store = self.connector.store
+        store = self.kv_store
         if store is None:
             return 0
         return store.stats.disk.writes + store.stats.cluster.writes
@@ -320,9 +293,9 @@ class EngineCore:
             kv_bytes_received=kv.stats.bytes_received,
             kv_load_seconds=kv.stats.load_seconds_total,
             kv_held=kv.num_held,
-            kv_tiers=None if kv.store is None else kv.store.stats.as_dict(),
+            kv_tiers=None if self.kv_store is None else self.kv_store.stats.as_dict(),
             kv_holds_expired=kv.stats.holds_expired,
-            kv_bytes_sent=kv.worker.server.num_bytes_sent if kv.worker.server else 0,
+            kv_bytes_sent=kv.bytes_sent,
             num_steps=self.step_stats.num_steps,
             step_seconds=self.step_stats.measured_ms / 1e3,
             step_predicted_seconds=self.step_stats.predicted_ms / 1e3,

@@ -32,7 +32,7 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.step_cost import StepCostModel, StepShape
 
 if TYPE_CHECKING:
-    from ember.kv.connector import KVConnectorScheduler
+    from ember.kv.connector import KVConnector
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        connector: KVConnectorScheduler | None = None,
+        connector: KVConnector | None = None,
         cost_model: StepCostModel | None = None,
         max_step_ms: float = 0.0,
         min_prefill_tokens: int = 1,

@@ -81,6 +81,8 @@ def worker_flags(options: dict) -> list[str]:
             continue  # each worker's own
         elif isinstance(value, bool):
             flags += [f"--{name.replace('_', '-')}"] if value else []
+        elif isinstance(value, tuple):
+            flags += [f"--{name.replace('_', '-')}", ",".join(value)]
         elif value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
