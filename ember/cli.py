@@ -80,6 +80,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "own (default: disagg,tiers)",
     )
     parser.add_argument(
+        "--kv-save",
+        choices=("computed", "finished", "evicted"),
+        default=d.kv_save,
+        help="when computed KV blocks are copied into the tiers: as soon as computed "
+        "(write-through), when their request finishes, or when the pool evicts them "
+        "(write-back) (default %(default)s)",
+    )
+    parser.add_argument(
         "--session-ttl",
         type=float,
         default=d.session_ttl,
@@ -224,6 +232,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_store_memory=args.kv_store_memory,
         session_ttl=args.session_ttl,
         kv_connectors=args.kv_connectors,
+        kv_save=args.kv_save,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

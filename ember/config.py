@@ -330,6 +330,9 @@ class EngineConfig:
     # seconds an agent session's blocks (x-session-affinity, kv_retention "session") stay
     # protected on disk (and soft-pinned in the store) after their last save
     session_ttl: float = 3600.0
+    # when computed blocks go into the tiers: computed | finished | evicted
+    # (ember.kv.store_connector.SAVE_POLICIES)
+    kv_save: str = "finished"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -380,6 +383,10 @@ class EngineConfig:
             from ember.kv.mooncake import parse_store_url
 
             parse_store_url(self.kv_store)
+        if self.kv_save not in ("computed", "finished", "evicted"):
+            raise ValueError(
+                f"kv_save must be one of computed, finished, evicted; got {self.kv_save!r}"
+            )
         if not self.session_ttl >= 0:
             raise ValueError(f"session_ttl must be >= 0 seconds, got {self.session_ttl!r}")
         if self.kv_store_memory < 0:

@@ -240,3 +240,60 @@ def test_the_session_header_marks_a_session(tiny_checkpoint):
 
     assert retained(session_id="agent-7") and retained(kv_retention="session")
     assert not retained()
+
+
+# -- when blocks are saved: kv_save ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["computed", "finished", "evicted"])
+def test_each_save_policy_serves_an_evicted_session(tiny_checkpoint, expected, policy):
+    """Write-through, at finish, write-back: the same tokens and hits; they differ in when
+    the copies happen (after the step, at the end, when the pool needs the block)."""
+    from ember.engine.messages import EngineCoreRequest
+
+    first, turn2, second = expected
+    llm = LLM(str(tiny_checkpoint("llama")), kv_offload_memory=1 << 20, kv_save=policy, **POOL)
+    core = llm.engine.core
+    core.add_request(EngineCoreRequest("a", PROMPT_A, GREEDY, 8, []))
+    core.step()  # the whole prompt in one step: 12 full blocks, then decoding
+    assert store(llm).stats.host.writes == (12 if policy == "computed" else 0)
+    while core.has_unfinished():
+        core.step()
+    assert store(llm).stats.host.writes == (0 if policy == "evicted" else 12)
+    tokens(llm, PROMPT_B)  # B's blocks push A's out of the pool: written back now
+    tokens(llm, PROMPT_C)
+    assert store(llm).stats.host.writes >= 12
+    out = llm.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == second
+    assert out.num_cached_tokens == 12 * BLOCK
+    assert store(llm).stats.host.hits == 12
+    assert_clean(llm)
+
+
+def test_an_unknown_save_policy_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="kv_save"):
+        LLM(str(tiny_checkpoint("llama")), kv_offload_memory=1 << 20, kv_save="later", **POOL)
+
+
+def test_a_queued_requests_blocks_are_read_into_memory_ahead(tiny_checkpoint, expected, tmp_path):
+    """While a request waits, its blocks on disk are read into host memory, so that its
+    load when admitted is a memcpy."""
+    from ember.engine.messages import EngineCoreRequest
+
+    first, turn2, second = expected
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24,
+                   kv_offload_memory=1 << 20, **POOL)  # fmt: skip
+    llm = LLM(str(tiny_checkpoint("llama")), **options)
+    tokens(llm, PROMPT_A)
+    store(llm).flush()
+    restarted = LLM(str(tiny_checkpoint("llama")), **options)  # warm disk, empty memory
+    core = restarted.engine.core
+    core.add_request(EngineCoreRequest("t2", turn2, GREEDY, 8, []))
+    store(restarted).flush()  # the prefetch, done before the first step
+    assert store(restarted).stats.prefetched == 12
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    assert [t for o in outputs for t in o.new_token_ids] == second
+    assert store(restarted).stats.host.hits == 12 and store(restarted).stats.disk.hits == 0
+    assert_clean(restarted)

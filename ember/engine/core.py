@@ -85,6 +85,7 @@ class EngineCore:
         connector = make_connector(config.kv_connectors, context)
         tiers = connector.get("tiers")
         self.kv_store: TieredStore | None = tiers.store if tiers is not None else None
+        self.kv_cache.pool.on_evict = connector.block_evicted
         return connector
 
     def _kv_identity(self) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ember.engine.request import Request
@@ -54,6 +54,8 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # called with (hash, block id) just before a cached block is reused for other KV
+        self.on_evict: Callable[[bytes, int], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -79,6 +81,8 @@ class BlockPool:
         for _ in range(num_blocks):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash, block.block_id)
                 del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1

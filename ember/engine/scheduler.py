@@ -141,8 +141,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.connector is not None and self.kv_cache.enable_prefix_caching:
-            self.kv_cache.update_hashes(request)
-            self.connector.request_added(request)  # a store lookup starts now
+            _, num_hit = self.kv_cache.get_computed_blocks(request)
+            self.connector.request_added(request, num_hit)  # lookups and fetches start now
 
     def abort(self, request_id: str) -> Request | None:
         """Ends a request at any moment and frees its blocks; None if unknown."""
@@ -296,7 +296,11 @@ class Scheduler:
             request = sched.request
             prompt_left = request.num_prompt_tokens - request.num_computed_tokens
             self.num_prompt_tokens_computed += max(min(sched.num_new_tokens, prompt_left), 0)
+            start = request.num_computed_tokens // self.kv_cache.block_size
             request.num_computed_tokens += sched.num_new_tokens
+            end = request.num_computed_tokens // self.kv_cache.block_size
+            if end > start and self.connector is not None:
+                self.connector.blocks_computed(request, sched.block_ids, start, end)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -69,8 +69,9 @@ class KVConnector:
     def close(self) -> None:
         """Stops the worker half (threads, endpoints)."""
 
-    def request_added(self, request) -> None:
-        """A request arrived (its block hashes are known): start slow lookups now."""
+    def request_added(self, request, num_local_hit: int) -> None:
+        """A request arrived (its block hashes are known, and the prefix the pool holds
+        now): start slow lookups and fetches now."""
 
     def external_tokens(self, request, num_local_hit: int) -> int | None:
         """Prompt tokens past the local prefix-cache hit that this connector will load
@@ -99,6 +100,12 @@ class KVConnector:
 
     def save(self, request, block_ids: list[int]) -> None:
         """A preempted request's computed blocks, about to be freed."""
+
+    def blocks_computed(self, request, block_ids: list[int], start: int, end: int) -> None:
+        """A step computed the KV that fills the request's blocks [start, end)."""
+
+    def block_evicted(self, block_hash: bytes, block_id: int) -> None:
+        """A cached block is about to be reused for other KV (its bytes still there)."""
 
     def drop_hold(self, request_id: str) -> None:
         """The frontend will not hand this request's held blocks over."""
@@ -179,9 +186,9 @@ class MultiConnector(KVConnector):
         for connector in self.connectors:
             connector.close()
 
-    def request_added(self, request) -> None:
+    def request_added(self, request, num_local_hit: int) -> None:
         for connector in self.connectors:
-            connector.request_added(request)
+            connector.request_added(request, num_local_hit)
 
     def external_tokens(self, request, num_local_hit: int) -> int | None:
         for connector in self.connectors:
@@ -224,6 +231,14 @@ class MultiConnector(KVConnector):
     def save(self, request, block_ids: list[int]) -> None:
         for connector in self.connectors:
             connector.save(request, block_ids)
+
+    def blocks_computed(self, request, block_ids: list[int], start: int, end: int) -> None:
+        for connector in self.connectors:
+            connector.blocks_computed(request, block_ids, start, end)
+
+    def block_evicted(self, block_hash: bytes, block_id: int) -> None:
+        for connector in self.connectors:
+            connector.block_evicted(block_hash, block_id)
 
     def drop_hold(self, request_id: str) -> None:
         for connector in self.connectors:

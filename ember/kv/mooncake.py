@@ -257,6 +257,7 @@ def store_commands(memory: int) -> tuple[list[str], list[str], str]:
         "--rpc_address=127.0.0.1",
         f"--metrics_port={free_port()}",
         "--metrics_host=127.0.0.1",
+        "--enable_metric_reporting=false",  # else a status line every 10 s
     ]
     holder = [
         binary("mooncake_client"),

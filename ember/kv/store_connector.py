@@ -5,8 +5,8 @@ Scheduler half (`TierConnector`): claims the stored blocks that continue a reque
 local prefix-cache hit (the longest unbroken run, leaving a token to compute; not for a
 prompt whose logprobs are wanted, nor one a prefill worker sends); loads them into its
 new blocks through the store's loader thread (given up after `kv_load_timeout`, its late
-bytes never written); saves every request's computed full blocks when it finishes or is
-preempted. Whether the cluster store holds a prompt's blocks is asked when the request
+bytes never written); saves every request's computed full blocks into them (`kv_save`, SAVE_POLICIES: when they are computed, when the request finishes, or
+when the pool evicts them). Whether the cluster store holds a prompt's blocks is asked when the request
 arrives (`request_added`), off the engine thread; the request waits in the queue for the
 answer (`external_tokens` is None) at most LOOKUP_WAIT seconds, then computes. A request
 whose load failed is not claimed again: it recomputes.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -28,6 +29,12 @@ from ember.kv.tiers import TieredStore
 logger = logging.getLogger("ember.kv")
 
 LOOKUP_WAIT = 1.0  # seconds a request waits for the cluster store's answer, then computes
+# when a request's computed full blocks are copied into the tiers:
+# computed  after the step that filled them (write-through: other workers see them at once)
+# finished  when the request finishes or is preempted, before its blocks are freed
+# evicted   when the pool reuses a cached block for other KV (write-back: only what leaves)
+SAVE_POLICIES = ("computed", "finished", "evicted")
+MAX_RETAINED = 1 << 16  # evicted: the sessions' block hashes remembered until evicted
 
 
 @dataclass
@@ -45,10 +52,21 @@ def _done(value) -> Future:
 class TierConnector(KVConnector):
     name = "tiers"
 
-    def __init__(self, store: TieredStore, block_size: int, load_timeout: float, stats=None):
+    def __init__(
+        self,
+        store: TieredStore,
+        block_size: int,
+        load_timeout: float,
+        stats=None,
+        save: str = "finished",
+    ):
         super().__init__(stats, load_timeout)
+        if save not in SAVE_POLICIES:
+            raise ValueError(f"kv_save must be one of {', '.join(SAVE_POLICIES)}; got {save!r}")
         self.store = store
         self.block_size = block_size
+        self.save_policy = save
+        self._retained: OrderedDict[bytes, None] = OrderedDict()  # evicted: sessions' blocks
         self._lookups: dict[str, _Lookup] = {}  # cluster-store lookups, by request
         self._failed: set[str] = set()  # requests that recompute after a failed load
 
@@ -63,12 +81,27 @@ class TierConnector(KVConnector):
             and not request.needs_prompt_logprobs  # the logits of every prompt token
         )
 
-    def request_added(self, request) -> None:
-        """Asks the cluster store, in the background, which of the prompt's blocks it has."""
-        if self._claimable(request) and self.store.cluster is not None:
-            last = (request.num_tokens - 1) // self.block_size
-            future = self.store.lookup(request.block_hashes[:last])
-            self._lookups[request.request_id] = _Lookup(future, time.monotonic())
+    def request_added(self, request, num_local_hit: int) -> None:
+        """Asks the cluster store, in the background, which of the prompt's blocks it has;
+        then (or at once, without a store) reads the stored blocks past the pool's hit
+        into host memory while the request is queued."""
+        if not self._claimable(request):
+            return
+        first = num_local_hit // self.block_size
+        last = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[first:last]
+        if self.store.cluster is None:
+            self.store.prefetch(hashes)
+            return
+        future = self.store.lookup(request.block_hashes[:last])
+        future.add_done_callback(
+            lambda done: (
+                done.cancelled()
+                or done.exception() is not None
+                or self.store.prefetch(hashes, done.result()[first:])
+            )
+        )
+        self._lookups[request.request_id] = _Lookup(future, time.monotonic())
 
     def external_tokens(self, request, num_local_hit: int) -> int | None:
         if not self._claimable(request):
@@ -130,7 +163,9 @@ class TierConnector(KVConnector):
         self.save(request, block_ids)
 
     def save(self, request, block_ids: list[int]) -> None:
-        """A request's computed full blocks into the tiers (before they are freed)."""
+        """A finished or preempted request's blocks, before they are freed: saved now
+        ("finished"; "computed" saved them already, and now only marks a session's), or
+        remembered as a session's until the pool evicts them ("evicted")."""
         self._failed.discard(request.request_id)
         num_blocks = min(
             len(request.block_hashes),
@@ -138,7 +173,27 @@ class TierConnector(KVConnector):
             request.num_computed_tokens // self.block_size,
         )
         hashes = request.block_hashes[:num_blocks]
-        self.store.save(zip(hashes, block_ids[:num_blocks], strict=True), request.retain_kv)
+        if self.save_policy == "evicted":
+            if request.retain_kv:
+                for block_hash in hashes:
+                    self._retained[block_hash] = None
+                    self._retained.move_to_end(block_hash)
+                while len(self._retained) > MAX_RETAINED:
+                    self._retained.popitem(last=False)
+        elif self.save_policy == "finished" or request.retain_kv:
+            self.store.save(zip(hashes, block_ids[:num_blocks], strict=True), request.retain_kv)
+
+    def blocks_computed(self, request, block_ids: list[int], start: int, end: int) -> None:
+        if self.save_policy == "computed":
+            end = min(end, len(request.block_hashes), len(block_ids))
+            pairs = zip(request.block_hashes[start:end], block_ids[start:end], strict=True)
+            self.store.save(pairs, request.retain_kv)
+
+    def block_evicted(self, block_hash: bytes, block_id: int) -> None:
+        if self.save_policy == "evicted":
+            retain = block_hash in self._retained
+            self._retained.pop(block_hash, None)
+            self.store.save([(block_hash, block_id)], retain)
 
 
 def make_tiers(context: ConnectorContext) -> TierConnector | None:
@@ -162,4 +217,6 @@ def make_tiers(context: ConnectorContext) -> TierConnector | None:
         cluster,
         config.session_ttl,
     )
-    return TierConnector(store, config.block_size, config.kv_load_timeout, context.stats)
+    return TierConnector(
+        store, config.block_size, config.kv_load_timeout, context.stats, config.kv_save
+    )

@@ -82,10 +82,12 @@ class TierStats:
     disk: TierCounters = field(default_factory=TierCounters)
     cluster: TierCounters = field(default_factory=TierCounters)
     lookups_failed: int = 0  # cluster lookups that failed or came too late
+    prefetched: int = 0  # blocks read into host memory while their request was queued
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         tiers = {name: dict(vars(getattr(self, name))) for name in TIERS}
         tiers["cluster"]["lookups_failed"] = self.lookups_failed
+        tiers["host"]["prefetched"] = self.prefetched
         return tiers
 
 
@@ -426,6 +428,7 @@ class TieredStore:
         self._cluster_writer = _Writer("store", self._put, stats.cluster) if cluster else None
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ember-kv-tier")
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-kv-lookup")
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-kv-fetch")
 
     def close(self) -> None:
         for writer in (self._disk_writer, self._cluster_writer):
@@ -433,6 +436,7 @@ class TieredStore:
                 writer.close()  # queued writes finish: a restart finds them
         self._loader.shutdown(wait=False, cancel_futures=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        self._prefetcher.shutdown(wait=False, cancel_futures=True)
         if self.cluster is not None:
             self.cluster.close()
 
@@ -457,6 +461,29 @@ class TieredStore:
             if present:
                 self._in_cluster.add(key)
         return found
+
+    def prefetch(self, block_hashes: Sequence[bytes], in_cluster: Sequence[bool] = ()) -> None:
+        """In the background, while the request waits in the queue: its stored blocks not
+        in host memory yet (the leading run, from disk, or from the cluster where
+        `in_cluster` says so) are read into host memory, so that its load when admitted
+        is a memcpy."""
+        if self.host is not None and (self.disk is not None or any(in_cluster)):
+            self._prefetcher.submit(self._prefetch, list(block_hashes), list(in_cluster))
+
+    def _prefetch(self, block_hashes: list[bytes], in_cluster: list[bool]) -> None:
+        for i, block_hash in enumerate(block_hashes):
+            key = self.key(block_hash)
+            if key in self.host:
+                continue
+            data = None
+            if self.disk is not None and key in self.disk:
+                data = self.disk.read(key, self.block_bytes)
+            elif i < len(in_cluster) and in_cluster[i]:
+                data = self.cluster.get(key, self.block_bytes) or None
+            if data is None:
+                return
+            self.host.put(key, [memoryview(data)])
+            self.stats.prefetched += 1
 
     def save(self, blocks: Iterable[tuple[bytes, int]], retain: bool = False) -> None:
         """Copies (block hash, block id) pairs not yet stored out of the KV tensors (call
@@ -490,10 +517,11 @@ class TieredStore:
             self.stats.cluster.writes_dropped += 1
 
     def flush(self) -> None:
-        """Waits for the disk and cluster writes queued so far."""
+        """Waits for the disk and cluster writes, and the prefetches, queued so far."""
         for writer in (self._disk_writer, self._cluster_writer):
             if writer is not None:
                 writer.flush()
+        self._prefetcher.submit(lambda: None).result()
 
     def load(self, blocks: Sequence[tuple[bytes, int]]) -> TierLoad:
         """Copies (block hash, block id) pairs from the tiers into the KV tensors in a
