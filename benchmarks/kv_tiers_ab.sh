@@ -23,7 +23,7 @@ PY=$PWD/.venv/bin/python
 OUT=/tmp/tiers
 mkdir -p $OUT
 export EMBER_LOG_LEVEL=WARNING MC_LOG_LEVEL=ERROR
-COMMON="--pin --kv-cache-memory $POOL --max-model-len 2048 --matmul-precision bf16"
+COMMON="--pin --kv-cache-memory $POOL --max-model-len 1536 --matmul-precision bf16"
 TIERS="--kv-offload-memory 512M --kv-store mooncake --kv-store-memory 3G"
 declare -A PORT=([off]=8300 [on]=8400 [on-computed]=8500 [on-evicted]=8600 [vllm]=8101)
 declare -A EXTRA=([off]="" [on]="$TIERS" [on-computed]="$TIERS --kv-save computed"
@@ -34,7 +34,7 @@ for side in $SIDES; do
   if [ "$side" = vllm ]; then
     (VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 exec "$VLLM_PY" \
         -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \
-        --dtype bfloat16 --max-model-len 2048 --block-size 32 \
+        --dtype bfloat16 --max-model-len 1536 --block-size 32 --enable-prompt-tokens-details \
         --num-gpu-blocks-override "$VLLM_BLOCKS" --enable-prefix-caching \
         --enable-auto-tool-choice --tool-call-parser hermes \
         --port $port --host 127.0.0.1 > $OUT/vllm.log 2>&1) &
@@ -52,7 +52,7 @@ for side in $SIDES; do
   done
 done
 ARGS="--workload agentic --num-sessions ${SESSIONS:-32} --num-turns ${TURNS:-6}
-      --system-tokens 256 --num-tools 2 --tool-tokens 32 --turn-tokens 64 --output-len 32
+      --system-tokens 512 --num-tools 0 --turn-tokens 64 --output-len 32
       --prefix-sharing per-session --think-time ${THINK:-1} --max-concurrency 4"
 for round in $(seq "$ROUNDS"); do
   # the order reverses every other round

@@ -8,7 +8,17 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import pytest
-from test_kv_tiers import BLOCK, GREEDY, POOL, PROMPT_A, PROMPT_B, PROMPT_C, computed, tokens
+from test_kv_tiers import (
+    BLOCK,
+    GREEDY,
+    POOL,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    computed,
+    reference_turns,
+    tokens,
+)
 
 from ember import LLM
 from ember.kv.buffers import chunks
@@ -62,10 +72,7 @@ class Copier(KVConnector):
 
 @pytest.fixture(scope="module")
 def expected(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("llama")), enable_prefix_caching=False, **POOL)
-    first = tokens(llm, PROMPT_A)
-    turn2 = PROMPT_A + first + [5, 6, 7, 8]
-    return first, turn2, tokens(llm, turn2)
+    return reference_turns(tiny_checkpoint("llama"))
 
 
 def _evict_then_continue(llm: LLM, expected) -> int:

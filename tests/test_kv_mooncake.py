@@ -32,19 +32,27 @@ def _mooncake_missing() -> str | None:
     return None
 
 
-def test_mooncake_transport_matches_a_mixed_worker_in_a_network_namespace(tiny_checkpoint):
+def run_in_namespace(script: str, *args: str, done: str) -> None:
+    """Runs `script` with `args` in a loopback-only network namespace (skips where Mooncake
+    or namespaces are missing); it must exit 0 and print `done`."""
     missing = _mooncake_missing()
     if missing:
         pytest.skip(missing)
     user_ns = subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0
-    command = f"ip link set lo up && exec {sys.executable} {__file__} {tiny_checkpoint('llama')}"
+    command = f"ip link set lo up && exec {sys.executable} {script} {' '.join(args)}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
         ["unshare", "-rn" if user_ns else "-n", "sh", "-c", command],
         capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, MC_LOG_LEVEL="ERROR", EMBER_CLUSTER_SECRET="mooncake-test"),
+        env=dict(os.environ, MC_LOG_LEVEL="ERROR", EMBER_CLUSTER_SECRET="mooncake-test",
+                 PYTHONPATH=root),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "MOONCAKE OK" in result.stdout
+    assert done in result.stdout
+
+
+def test_mooncake_transport_matches_a_mixed_worker_in_a_network_namespace(tiny_checkpoint):
+    run_in_namespace(__file__, str(tiny_checkpoint("llama")), done="MOONCAKE OK")
 
 
 def _check(checkpoint: str) -> None:

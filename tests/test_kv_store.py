@@ -10,7 +10,6 @@ put a fake store with the same three calls in its place.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -20,10 +19,18 @@ import time
 import pytest
 
 from ember import LLM
-from tests.test_kv_mooncake import _mooncake_missing
-from tests.test_kv_tiers import BLOCK, GREEDY, POOL, PROMPT_A, assert_clean, computed, tokens
+from tests.test_kv_mooncake import run_in_namespace
+from tests.test_kv_tiers import (
+    BLOCK,
+    GREEDY,
+    POOL,
+    PROMPT_A,
+    assert_clean,
+    computed,
+    reference_turns,
+    tokens,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 URL = "mooncake://127.0.0.1:1"  # the fake store's (never dialled)
 
 
@@ -67,10 +74,7 @@ def fake_store(monkeypatch):
 
 @pytest.fixture(scope="module")
 def expected(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("llama")), enable_prefix_caching=False, **POOL)
-    first = tokens(llm, PROMPT_A)
-    turn2 = PROMPT_A + first + [5, 6, 7, 8]
-    return first, turn2, tokens(llm, turn2)
+    return reference_turns(tiny_checkpoint("llama"))
 
 
 def _store(llm: LLM):
@@ -160,29 +164,12 @@ def test_kv_store_needs_the_cluster_secret(tiny_checkpoint, monkeypatch):
 # -- a real Mooncake Store, in a network namespace ------------------------------------------
 
 
-def _in_namespace(*args: str) -> None:
-    """Runs this file as a script with `args` in a loopback-only network namespace."""
-    missing = _mooncake_missing()
-    if missing:
-        pytest.skip(missing)
-    user_ns = subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0
-    command = f"ip link set lo up && exec {sys.executable} {__file__} {' '.join(args)}"
-    result = subprocess.run(
-        ["unshare", "-rn" if user_ns else "-n", "sh", "-c", command],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, MC_LOG_LEVEL="ERROR", EMBER_CLUSTER_SECRET="store-test",
-                 PYTHONPATH=ROOT),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "STORE OK" in result.stdout
-
-
 def test_two_workers_share_a_mooncake_store_in_a_network_namespace(tiny_checkpoint):
-    _in_namespace("engines", str(tiny_checkpoint("llama")))
+    run_in_namespace(__file__, "engines", str(tiny_checkpoint("llama")), done="STORE OK")
 
 
 def test_ember_up_with_a_mooncake_store_moves_sessions_without_recompute(tiny_checkpoint):
-    _in_namespace("up", str(tiny_checkpoint("llama")))
+    run_in_namespace(__file__, "up", str(tiny_checkpoint("llama")), done="STORE OK")
 
 
 def _check_up(checkpoint: str) -> None:

@@ -42,13 +42,18 @@ def assert_clean(llm: LLM) -> None:
     assert kv.num_free_blocks == kv.num_blocks and kv.check_integrity()
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_checkpoint):
-    """Greedy tokens of A, and of A's next turn (A + its answer + more), from scratch."""
-    llm = LLM(str(tiny_checkpoint("llama")), enable_prefix_caching=False, **POOL)
+def reference_turns(checkpoint) -> tuple[list[int], list[int], list[int]]:
+    """Greedy tokens of A, A's next turn (A + its answer + more), and that turn's greedy
+    tokens, computed from scratch."""
+    llm = LLM(str(checkpoint), enable_prefix_caching=False, **POOL)
     first = tokens(llm, PROMPT_A)
     turn2 = PROMPT_A + first + [5, 6, 7, 8]
     return first, turn2, tokens(llm, turn2)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint):
+    return reference_turns(tiny_checkpoint("llama"))
 
 
 def test_an_evicted_session_comes_back_from_host_memory(tiny_checkpoint, expected):
