@@ -8,8 +8,8 @@
 #   benchmarks/kv_tiers_ab.sh VLLM_PYTHON HF_DIR [ROUNDS]
 #
 # Runs itself inside a loopback-only network namespace (Mooncake listens on every
-# interface). $SIDES (default "off on vllm"; also on-computed, on-evicted: the tiers
-# with --kv-save computed / evicted, "on" being the default, finished), $POOL (per ember
+# interface). $SIDES (default "off on vllm"; also on-finished, on-computed, on-evicted:
+# the tiers with that --kv-save, "on" with the default), $POOL (per ember
 # worker, default 80M: ~1800 fp32 tokens of SmolLM2), $VLLM_BLOCKS (default 114 blocks
 # of 32: the two ember pools' tokens), $SESSIONS (32), $TURNS (6), $THINK (1 s).
 # Results: /tmp/tiers/<round>-<side>.json and .txt, one line per run.
@@ -25,9 +25,10 @@ mkdir -p $OUT
 export EMBER_LOG_LEVEL=WARNING MC_LOG_LEVEL=ERROR
 COMMON="--pin --kv-cache-memory $POOL --max-model-len 1536 --matmul-precision bf16"
 TIERS="--kv-offload-memory 512M --kv-store mooncake --kv-store-memory 3G"
-declare -A PORT=([off]=8300 [on]=8400 [on-computed]=8500 [on-evicted]=8600 [vllm]=8101)
-declare -A EXTRA=([off]="" [on]="$TIERS" [on-computed]="$TIERS --kv-save computed"
-                  [on-evicted]="$TIERS --kv-save evicted")
+declare -A PORT=([off]=8300 [on]=8400 [on-finished]=8700 [on-computed]=8500
+                 [on-evicted]=8600 [vllm]=8101)
+declare -A EXTRA=([off]="" [on]="$TIERS" [on-finished]="$TIERS --kv-save finished"
+                  [on-computed]="$TIERS --kv-save computed" [on-evicted]="$TIERS --kv-save evicted")
 PIDS=""
 for side in $SIDES; do
   port=${PORT[$side]}

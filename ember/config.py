@@ -331,8 +331,8 @@ class EngineConfig:
     # protected on disk (and soft-pinned in the store) after their last save
     session_ttl: float = 3600.0
     # when computed blocks go into the tiers: computed | finished | evicted
-    # (ember.kv.store_connector.SAVE_POLICIES)
-    kv_save: str = "finished"
+    # (ember.kv.store_connector.SAVE_POLICIES; docs/benchmarks.md for the choice)
+    kv_save: str = "computed"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

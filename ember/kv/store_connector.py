@@ -58,7 +58,7 @@ class TierConnector(KVConnector):
         block_size: int,
         load_timeout: float,
         stats=None,
-        save: str = "finished",
+        save: str = "computed",
     ):
         super().__init__(stats, load_timeout)
         if save not in SAVE_POLICIES:
