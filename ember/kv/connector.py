@@ -80,8 +80,9 @@ class KVConnector:
 
     def start_load(self, request, block_ids: list[int], num_local_hit: int) -> None:
         """Loads the claimed tokens into the request's newly allocated blocks, up to
-        `request.num_loaded_end` (in the background: see `_track`)."""
-        raise NotImplementedError
+        `request.num_loaded_end` (in the background: see `_track`). A connector that
+        claims tokens in `external_tokens` defines it."""
+        raise TypeError(f"the {self.name!r} KV connector claimed tokens it cannot load")
 
     def release_unused(self, request) -> None:
         """The request is admitted with nothing (more) to load: drop what was kept for it."""
