@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -41,7 +40,6 @@ class FakeStore:
         self.values: dict[bytes, bytes] = {}
         self.exists_delay = self.get_delay = 0.0
         self.fail = False
-        self.got = threading.Event()
 
     def close(self) -> None:
         pass
@@ -58,7 +56,6 @@ class FakeStore:
 
     def get(self, key, length):
         time.sleep(self.get_delay)
-        self.got.set()
         return self.values.get(key)
 
 

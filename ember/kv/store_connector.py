@@ -5,11 +5,12 @@ Scheduler half (`TierConnector`): claims the stored blocks that continue a reque
 local prefix-cache hit (the longest unbroken run, leaving a token to compute; not for a
 prompt whose logprobs are wanted, nor one a prefill worker sends); loads them into its
 new blocks through the store's loader thread (given up after `kv_load_timeout`, its late
-bytes never written); saves every request's computed full blocks into them (`kv_save`, SAVE_POLICIES: when they are computed, when the request finishes, or
-when the pool evicts them). Whether the cluster store holds a prompt's blocks is asked when the request
-arrives (`request_added`), off the engine thread; the request waits in the queue for the
-answer (`external_tokens` is None) at most LOOKUP_WAIT seconds, then computes. A request
-whose load failed is not claimed again: it recomputes.
+bytes never written); saves every request's computed full blocks into them (`kv_save`,
+SAVE_POLICIES: when they are computed, when the request finishes, or when the pool
+evicts them). Whether the cluster store holds a prompt's blocks is asked when the
+request arrives (`request_added`), off the engine thread; the request waits in the queue
+for the answer (`external_tokens` is None) at most LOOKUP_WAIT seconds, then computes. A
+request whose load failed is not claimed again: it recomputes.
 
 Worker half: `tiers.TieredStore`.
 """
