@@ -302,3 +302,106 @@ def test_a_queued_requests_blocks_are_read_into_memory_ahead(tiny_checkpoint, ex
     assert [t for o in outputs for t in o.new_token_ids] == second
     assert store(restarted).stats.host.hits == 12 and store(restarted).stats.disk.hits == 0
     assert_clean(restarted)
+
+
+def test_a_load_waits_for_the_prefetch_already_reading_its_blocks(
+    tiny_checkpoint, expected, tmp_path, monkeypatch
+):
+    """A request admitted while its prefetch is still reading from disk takes each block
+    from host memory once the prefetch has it: every block is read from disk once."""
+    from ember.engine.messages import EngineCoreRequest
+    from ember.kv.tiers import DiskTier
+
+    first, turn2, second = expected
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24,
+                   kv_offload_memory=1 << 20, **POOL)  # fmt: skip
+    llm = LLM(str(tiny_checkpoint("llama")), **options)
+    tokens(llm, PROMPT_A)
+    store(llm).flush()
+    reads = []
+    read = DiskTier.read
+
+    def slow_read(self, key, length):
+        reads.append(key)
+        time.sleep(0.05)
+        return read(self, key, length)
+
+    monkeypatch.setattr(DiskTier, "read", slow_read)
+    restarted = LLM(str(tiny_checkpoint("llama")), **options)
+    core = restarted.engine.core
+    core.add_request(EngineCoreRequest("t2", turn2, GREEDY, 8, []))
+    deadline = time.monotonic() + 5
+    while not store(restarted)._fetching and time.monotonic() < deadline:
+        time.sleep(0.001)  # the prefetch has claimed the blocks it is about to read
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    assert [t for o in outputs for t in o.new_token_ids] == second
+    assert len(reads) == len(set(reads)) == 12
+    assert store(restarted).stats.host.hits == 12 and store(restarted).stats.disk.hits == 0
+    assert_clean(restarted)
+
+
+def test_ember_up_restarts_a_killed_worker_and_it_serves_warm_from_disk(tiny_checkpoint, tmp_path):
+    """`ember up --kv-disk-dir`: each worker its own directory; a session's worker killed
+    with SIGKILL is started again by `ember up`, rejoins the router, and the session's next
+    turn goes home and loads the prompt from disk instead of computing it."""
+    import os
+    import signal
+
+    import httpx
+
+    from tests.server_utils import Up, child_pids
+
+    cluster = Up(str(tiny_checkpoint("llama")), "--mixed", "2", "--kv-disk-dir", str(tmp_path),
+                 "--worker-restarts", "1")  # fmt: skip
+    try:
+        headers = {"x-session-affinity": "agent-1"}
+        body = {"prompt": PROMPT_A, "max_tokens": 4, "temperature": 0}
+
+        def send() -> dict:
+            reply = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=headers,
+                               timeout=60)  # fmt: skip
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+
+        before = {u: cluster.worker_load(u)["num_prompt_tokens_computed"] for u in cluster.workers}
+        answer = send()
+        (home,) = [u for u in cluster.workers if cluster.worker_load(u)["num_prompt_tokens_computed"]
+                   != before[u]]  # fmt: skip
+        ports = {u: int(u.rsplit(":", 1)[1]) for u in cluster.workers}
+        index = ports[home] - min(ports.values())  # worker i listens on --worker-port + i
+        files = list((tmp_path / f"worker-{index}").glob("*/*.kvs"))  # a session's blocks
+        deadline = time.monotonic() + 20
+        while len(files) < len(PROMPT_A) // 8 and time.monotonic() < deadline:
+            time.sleep(0.1)  # written in the background
+            files = list((tmp_path / f"worker-{index}").glob("*/*.kvs"))
+        assert len(files) == len(PROMPT_A) // 8  # --block-size 8
+        assert not list((tmp_path / f"worker-{1 - index}").glob("*/*.kv*"))
+
+        flag = b"--port\0%d\0" % ports[home]
+        (pid,) = [p for p in child_pids(cluster.process.pid)
+                  if flag in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # down, then started again and healthy
+            time.sleep(0.3)
+            try:
+                healthy = {w["url"]: w["healthy"] for w in cluster.load()["workers"]}
+                if healthy[home] and cluster.worker_load(home)["num_prompt_tokens_computed"] == 0:
+                    break
+            except (httpx.HTTPError, KeyError, ValueError):
+                continue
+        else:
+            raise AssertionError("the killed worker did not come back")
+        assert pid not in child_pids(cluster.process.pid)
+
+        again = send()  # the same prompt, home again: 25 blocks on disk, the last recomputed
+        assert again["choices"][0]["text"] == answer["choices"][0]["text"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT_A) - 8
+        restarted = cluster.worker_load(home)
+        assert restarted["num_prompt_tokens_computed"] == 8
+        assert restarted["kv_tiers"]["disk"]["hits"] == len(PROMPT_A) // 8 - 1
+        cluster.wait_no_blocks()
+    finally:
+        cluster.stop()

@@ -54,6 +54,8 @@ SUFFIX = ".kvb"
 SESSION_SUFFIX = ".kvs"  # a session's block, kept for the session TTL
 # disk writes waiting in memory beyond this are dropped (the block stays in host memory)
 MAX_PENDING_WRITE_BYTES = 256 << 20
+# a load waits at most this long for a prefetch already reading its block
+PREFETCH_WAIT_S = 5.0
 
 
 class StoreMiss(Exception):
@@ -429,6 +431,8 @@ class TieredStore:
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ember-kv-tier")
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-kv-lookup")
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-kv-fetch")
+        self._fetching: dict[bytes, threading.Event] = {}  # blocks a prefetch is reading
+        self._fetch_lock = threading.Lock()
 
     def close(self) -> None:
         for writer in (self._disk_writer, self._cluster_writer):
@@ -471,19 +475,43 @@ class TieredStore:
             self._prefetcher.submit(self._prefetch, list(block_hashes), list(in_cluster))
 
     def _prefetch(self, block_hashes: list[bytes], in_cluster: list[bool]) -> None:
+        run = []  # the leading blocks stored below host memory, claimed for this read
         for i, block_hash in enumerate(block_hashes):
             key = self.key(block_hash)
-            if key in self.host:
-                continue
-            data = None
-            if self.disk is not None and key in self.disk:
-                data = self.disk.read(key, self.block_bytes)
-            elif i < len(in_cluster) and in_cluster[i]:
-                data = self.cluster.get(key, self.block_bytes) or None
-            if data is None:
-                return
-            self.host.put(key, [memoryview(data)])
-            self.stats.prefetched += 1
+            on_disk = self.disk is not None and key in self.disk
+            if not (on_disk or key in self.host or (i < len(in_cluster) and in_cluster[i])):
+                break
+            run.append((key, on_disk))
+        with self._fetch_lock:
+            run = [(key, d, self._fetching.setdefault(key, threading.Event())) for key, d in run]
+        try:
+            for key, on_disk, _ in run:
+                if key in self.host:
+                    continue
+                data = self.disk.read(key, self.block_bytes) if on_disk else None
+                if data is None and not on_disk:
+                    data = self.cluster.get(key, self.block_bytes) or None
+                if data is None:
+                    return
+                self.host.put(key, [memoryview(data)])
+                self.stats.prefetched += 1
+                self._fetched(key)
+        finally:
+            for key, _, _ in run:
+                self._fetched(key)
+
+    def _fetched(self, key: bytes) -> None:
+        with self._fetch_lock:
+            event = self._fetching.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def _wait_fetch(self, key: bytes) -> None:
+        """If a prefetch is reading this block, until it is done (so it is read once)."""
+        with self._fetch_lock:
+            event = self._fetching.get(key)
+        if event is not None:
+            event.wait(PREFETCH_WAIT_S)
 
     def save(self, blocks: Iterable[tuple[bytes, int]], retain: bool = False) -> None:
         """Copies (block hash, block id) pairs not yet stored out of the KV tensors (call
@@ -536,6 +564,7 @@ class TieredStore:
             targets = list(chunks(self.kv_caches, [block_id]))
             start = time.perf_counter()
             if self.host is not None:
+                self._wait_fetch(key)
                 with self.host.lock:
                     slot = self.host.find(key)
                     if slot is not None:

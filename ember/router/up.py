@@ -5,12 +5,17 @@ or N prefill + M decode, all sharing a fresh cluster secret, so that they serve 
 router and trust only each other's KV; with --pin each on its own share of the CPU cores); once all answer /health, start `ember router` on --port in front of
 them and wait until it counts them all healthy; print the URL; then wait. Ctrl-C or SIGTERM
 (or the router exiting) stops them all: SIGTERM to each, SIGKILL to any still running
-after a grace period. A worker that dies is reported; the router routes around it.
+after a grace period. A worker that exits is started again with the same command (after
+1 s, doubling to 30 s between tries; --worker-restarts times at most), and meanwhile the
+router routes around it; a restarted worker with a disk tier serves warm from it.
 
 Clients' API key is the router's to check (passed in its environment, never on a command
 line); the server options (queue limit, body limit, shutdown timeout, protected metrics,
 tool-call and reasoning parsers) go to every worker, and the body limit and protected
 metrics to the router too.
+
+`--kv-disk-dir DIR` gives worker i the directory DIR/worker-i: a worker's disk tier is its
+own, and the same worker finds it again after a restart.
 
 `--kv-store mooncake` first starts a Mooncake Store (its master, bound to loopback, and a
 process holding the pool's memory) and points every worker's cluster tier at it.
@@ -38,6 +43,7 @@ logger = logging.getLogger("ember.router")
 
 STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 30.0
+RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait before restarting a worker, and the longest
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +56,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="first worker's port; the others follow (default 8100)")  # fmt: skip
     parser.add_argument("--pin", action="store_true",
                         help="pin each worker to its own share of the CPU cores")  # fmt: skip
+    parser.add_argument("--worker-restarts", type=int, default=5,
+                        help="start a worker that exits again, at most this many times "
+                             "(default 5; 0: leave it down)")  # fmt: skip
     add_access_args(parser)
     add_queue_args(parser)
     add_parser_args(parser)
@@ -114,7 +123,9 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
     pins = core_sets(len(roles)) if args.pin else [None] * len(roles)
     access = access_of(args)  # checks the flags before anything starts
     worker_server_flags, router_flags = server_flags(args)
-    cluster = Cluster()
+    if args.worker_restarts < 0:
+        raise ValueError("--worker-restarts must be >= 0")
+    cluster = Cluster(max_restarts=args.worker_restarts)
     signal.signal(signal.SIGTERM, lambda *_: cluster.stopping.set())
     # one secret for the whole cluster, inherited (never on a command line): the workers
     # serve only the router, and their KV endpoints admit only each other
@@ -134,9 +145,11 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
             options = dict(engine_options)
             if options.get("kv_port"):  # each worker's KV endpoint on its own port
                 options["kv_port"] += i
+            if options.get("kv_disk_dir"):  # and its own disk tier
+                options["kv_disk_dir"] = os.path.join(options["kv_disk_dir"], f"worker-{i}")
             command = ["serve", *model, "--port", str(port), "--role", role,
                        *worker_flags(options), *worker_server_flags]  # fmt: skip
-            cluster.start(f"{role} worker {i}", command, worker_env, cores)
+            cluster.start(f"{role} worker {i}", command, worker_env, cores, restart=True)
         cluster.wait_healthy(urls)
         command = ["router", "--port", str(args.port), *router_args, *router_flags]
         cluster.start("router", command, router_env)
@@ -170,12 +183,23 @@ def start_store(cluster: Cluster, options: dict, env: dict[str, str]) -> dict:
 
 
 class Cluster:
-    def __init__(self) -> None:
+    """The processes of `ember up`; those started with `restart=True` (the workers) are
+    started again when they exit, at most `max_restarts` times each."""
+
+    def __init__(self, max_restarts: int = 0) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
         self.stopping = threading.Event()
+        self.max_restarts = max_restarts
+        self.restarts: dict[str, int] = {}  # name -> times restarted so far
+        self._specs: dict[str, tuple] = {}  # name -> how to start it again
 
     def start(
-        self, name: str, command: list[str], env: dict[str, str], cores: set[int] | None = None
+        self,
+        name: str,
+        command: list[str],
+        env: dict[str, str],
+        cores: set[int] | None = None,
+        restart: bool = False,
     ) -> None:
         def pin():
             if cores:
@@ -185,6 +209,8 @@ class Cluster:
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", *command], preexec_fn=pin, env=env
         )
+        if restart:
+            self._specs[name] = (command, env, cores)
 
     def start_program(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         logger.info("starting %s: %s", name, " ".join(argv))
@@ -209,14 +235,32 @@ class Cluster:
             time.sleep(0.3)
 
     def watch(self) -> None:
+        """Until the router exits or the cluster is told to stop: reports processes that
+        exit, and starts the workers among them again after a backoff."""
         reported: set[str] = set()
+        due: dict[str, float] = {}  # name -> when to start it again
         while not self.stopping.wait(0.5):
-            for name, process in self.processes.items():
-                if process.poll() is not None and name not in reported:
-                    reported.add(name)
-                    logger.warning("%s exited with %s", name, process.returncode)
-                    if name == "router":
-                        return
+            for name, process in list(self.processes.items()):
+                if process.poll() is None or name in reported:
+                    continue
+                reported.add(name)
+                logger.warning("%s exited with %s", name, process.returncode)
+                if name == "router":
+                    return
+                tries = self.restarts.get(name, 0)
+                if name in self._specs and tries < self.max_restarts:
+                    first, longest = RESTART_BACKOFF_S
+                    wait = min(first * 2**tries, longest)
+                    logger.warning("starting %s again in %.0f s (restart %d of %d)",
+                                   name, wait, tries + 1, self.max_restarts)  # fmt: skip
+                    due[name] = time.monotonic() + wait
+            for name, when in list(due.items()):
+                if time.monotonic() >= when:
+                    del due[name]
+                    reported.discard(name)
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    command, env, cores = self._specs[name]
+                    self.start(name, command, env, cores, restart=True)
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():
