@@ -6,6 +6,7 @@ field, the plot is a PNG; and `ember bench compare` puts runs side by side."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,7 @@ def test_random_workload_counts_and_json(tiny, tmp_path):
     assert all(summary[k]["p99"] >= summary[k]["p50"] > 0 for k in ("ttft_ms", "e2e_ms"))
     assert (tmp_path / "random.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["config"]["workload"] == "random"
+    assert abs(result["config"]["started_at"] - time.time()) < 600  # when it ran
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
@@ -93,6 +95,34 @@ def test_agentic_sessions_grow_carry_their_header_and_hit_the_cache(tiny, tmp_pa
     assert summary["recomputed_prompt_tokens"] == sum(
         r["prompt_tokens"] - r["cached_tokens"] for r in records
     )
+
+
+def test_session_context_opens_each_sessions_first_message_only(tiny_checkpoint):
+    from ember.bench.workloads import WordSource, build_workload
+    from ember.loader.checkpoint import open_checkpoint
+
+    path = str(tiny_checkpoint("llama"))
+    tokenizer = open_checkpoint(path).tokenizer()
+    argv = ["bench", "serve", "--url", "http://x", "--workload", "agentic", "--num-sessions", "2", "--num-turns", "2",
+            "--tokenizer", path]  # fmt: skip
+
+    def sessions(*extra):
+        return build_workload(WordSource(tokenizer, 0), build_parser().parse_args(argv + [*extra]))
+
+    plain, with_context = sessions(), sessions("--session-context-tokens", "40")
+    for a, b in zip(plain, with_context, strict=True):
+        first, second = (turn.messages[0]["content"] for turn in b.turns)
+        assert (
+            first.endswith(a.turns[0].messages[0]["content"])
+            and second == a.turns[1].messages[0]["content"]
+        )
+        assert (
+            len(tokenizer.encode(first))
+            >= len(tokenizer.encode(a.turns[0].messages[0]["content"])) + 30
+        )
+        assert b.system == a.system  # shared by all sessions, as before
+    contexts = {s.turns[0].messages[0]["content"].split("\n\n")[0] for s in with_context}
+    assert len(contexts) == 2  # each session's own
 
 
 def test_trace_replay_reproduces_shared_prefixes_on_time(tiny, tmp_path):

@@ -34,6 +34,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-tools", type=int, default=2, help="agentic: tool definitions")
     p.add_argument("--tool-tokens", type=int, default=32, help="agentic: per tool description")
     p.add_argument("--turn-tokens", type=int, default=32, help="agentic: each new message")
+    p.add_argument("--session-context-tokens", type=int, default=0,
+                   help="agentic: each session's own context at the start of its first "
+                        "message, after the system prompt (default 0)")  # fmt: skip
     p.add_argument("--prefix-sharing", choices=["shared", "per-session"], default="shared",
                    help="agentic: system prompt and tools shared by all sessions or not")  # fmt: skip
     p.add_argument("--no-session-header", dest="session_header", action="store_false",
@@ -109,6 +112,8 @@ def parse_slo(text: str | None) -> dict[str, float]:
 def _check(args) -> None:
     if args.workload == "trace" and not args.trace:
         raise ValueError("--workload trace needs --trace FILE")
+    if args.session_context_tokens < 0:
+        raise ValueError("--session-context-tokens must be >= 0")
     if args.trace_output_scale is None:
         args.trace_output_scale = args.trace_block_tokens / 512
     args.api_key = args.api_key or envs.api_key()
@@ -142,6 +147,7 @@ def run_serve(args) -> int:
     summary = summarize(records, wall, slo)
     print_summary(summary)
     config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["started_at"] = generator.started_at  # the records' `start` counts from here
     if args.out:
         Path(args.out).write_text(json.dumps(result_json(config, summary, records), indent=1))
     if args.plot:

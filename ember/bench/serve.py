@@ -70,6 +70,7 @@ class LoadGenerator:
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.deadline = float("inf")
         self.start = 0.0
+        self.started_at = 0.0  # the wall clock at `start` (seconds since the epoch)
 
     async def run(self) -> float:
         """Runs every session; returns the wall time."""
@@ -82,6 +83,7 @@ class LoadGenerator:
         ) as client:
             self.client = client
             self.start = time.perf_counter()
+            self.started_at = time.time()
             if self.args.duration:
                 self.deadline = self.start + self.args.duration
             arrivals = self._arrivals()

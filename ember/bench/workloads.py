@@ -100,6 +100,11 @@ def agentic_workload(words: WordSource, args) -> list[Session]:
             )
             for _ in range(args.num_turns)
         ]
+        if args.session_context_tokens and turns:  # the session's own task, files read...
+            first = turns[0].messages[0]
+            own = random.Random(f"{args.seed}:context:{s}")  # the rest as without it
+            context = words.text(args.session_context_tokens, own)
+            first["content"] = f"{context}\n\n{first['content']}"
         sessions.append(
             Session(f"session-{s}", turns, system, tools or None, True, args.think_time)
         )
