@@ -11,7 +11,10 @@
 # interface). $SIDES (default "off on vllm"; also on-finished, on-computed, on-evicted:
 # the tiers with that --kv-save, "on" with the default), $POOL (per ember
 # worker, default 80M: ~1800 fp32 tokens of SmolLM2), $VLLM_BLOCKS (default 114 blocks
-# of 32: the two ember pools' tokens), $SESSIONS (32), $TURNS (6), $THINK (1 s).
+# of 32: the two ember pools' tokens), $SESSIONS (32), $TURNS (6), $THINK (1 s), $SYSTEM
+# (512-token system prompt), $SHARING (per-session: each session its own system prompt;
+# shared: one for all), $CONTEXT (0: tokens of each session's own context in its first
+# message).
 # Results: /tmp/tiers/<round>-<side>.json and .txt, one line per run.
 set -u
 if [ -z "${EMBER_NETNS:-}" ]; then
@@ -53,8 +56,9 @@ for side in $SIDES; do
   done
 done
 ARGS="--workload agentic --num-sessions ${SESSIONS:-32} --num-turns ${TURNS:-6}
-      --system-tokens 512 --num-tools 0 --turn-tokens 64 --output-len 32
-      --prefix-sharing per-session --think-time ${THINK:-1} --max-concurrency 4"
+      --system-tokens ${SYSTEM:-512} --num-tools 0 --turn-tokens 64 --output-len 32
+      --prefix-sharing ${SHARING:-per-session} --session-context-tokens ${CONTEXT:-0}
+      --think-time ${THINK:-1} --max-concurrency 4"
 for round in $(seq "$ROUNDS"); do
   # the order reverses every other round
   sides=$([ $((round % 2)) = 1 ] && echo $SIDES || echo $SIDES | tr ' ' '\n' | tac | tr '\n' ' ')

@@ -117,8 +117,9 @@ def run(args, event: str, side: str, round_: int) -> dict:
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(120)
-    result = json.loads(out.read_text())
-    return analyse(result, urls, killed_at, back_at)
+    times = {"urls": urls, "killed_at": killed_at, "back_at": back_at}
+    (OUT / f"{name}.event.json").write_text(json.dumps(times))
+    return analyse(json.loads(out.read_text()), urls, killed_at, back_at)
 
 
 def analyse(result: dict, urls: list[str], killed_at: float, back_at: float | None) -> dict:
@@ -127,17 +128,19 @@ def analyse(result: dict, urls: list[str], killed_at: float, back_at: float | No
     records = result["requests"]
     by_turn = {(r["session_id"], r["turn"]): r for r in records}
     ring = Router(urls)
-    home = {s: ring._ring_order(s, ring.workers)[0].url for s in {r["session_id"] for r in records}}
-    moved = []  # (record, previous turn's record) of worker 0's sessions, first turn after
-    for session in sorted(home):
-        if home[session] != urls[0]:
-            continue
+    sessions = sorted({r["session_id"] for r in records})
+    home = {s: ring._ring_order(s, ring.workers)[0].url for s in sessions}
+    for r in sorted(records, key=lambda r: r["start"]):  # where it was served last (the
+        if r.get("worker") and r["start"] < kill:  # router names it) before the kill
+            home[r["session_id"]] = r["worker"]
+    moved, stayed = [], []  # (first turn after the kill, the turn before) by session home
+    for session in sessions:
         after = sorted((r for r in records if r["session_id"] == session and r["start"] >= kill),
                        key=lambda r: r["turn"])  # fmt: skip
         if after and after[0]["turn"] > 0 and after[0]["ttft"] is not None:
             previous = by_turn.get((session, after[0]["turn"] - 1))
             if previous and previous["ttft"] is not None:
-                moved.append((after[0], previous))
+                (moved if home[session] == urls[0] else stayed).append((after[0], previous))
 
     def group(pairs):
         if not pairs:
@@ -156,14 +159,15 @@ def analyse(result: dict, urls: list[str], killed_at: float, back_at: float | No
         "killed_at_s": round(kill, 1),
         "back_at_s": round(back, 1) if back is not None else None,
         "moved": group(moved),
+        "stayed": group(stayed),  # worker 1's own sessions: what the lost capacity costs
         "errors": summary["errors"],
         "hit_ratio": summary["cache_hit_ratio"],
         "ttft_ms_p50_p90": (summary["ttft_ms"]["p50"], summary["ttft_ms"]["p90"]),
         "wall_s": summary["duration_s"],
     }
     if back is not None:  # while it was down (on worker 1) and once it was back (home)
-        report["moved_while_down"] = group([m for m in moved if m[0]["start"] < back])
-        report["moved_once_back"] = group([m for m in moved if m[0]["start"] >= back])
+        report["moved_while_down"] = group([m for m in moved if m[0].get("worker") != urls[0]])
+        report["moved_once_back"] = group([m for m in moved if m[0].get("worker") == urls[0]])
     return report
 
 

@@ -24,7 +24,8 @@ SUMMARY_KEYS = {
 }  # fmt: skip
 RECORD_KEYS = {
     "session_id", "turn", "start", "ttft", "itl", "e2e", "prompt_tokens", "cached_tokens",
-    "output_tokens", "finish_reason", "error", "error_detail", "echoed_session", "hash_ids",
+    "output_tokens", "finish_reason", "error", "error_detail", "echoed_session", "worker",
+    "hash_ids",
 }  # fmt: skip
 
 
@@ -64,6 +65,7 @@ def test_random_workload_counts_and_json(tiny, tmp_path):
     assert all(summary[k]["p99"] >= summary[k]["p50"] > 0 for k in ("ttft_ms", "e2e_ms"))
     assert (tmp_path / "random.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["config"]["workload"] == "random"
+    assert all(r["worker"] is None for r in records)  # no router named one
     assert abs(result["config"]["started_at"] - time.time()) < 600  # when it ran
 
 

@@ -342,6 +342,38 @@ def test_a_load_waits_for_the_prefetch_already_reading_its_blocks(
     assert_clean(restarted)
 
 
+def test_a_sessions_prefetched_blocks_outlast_older_blocks_in_host_memory(
+    tiny_checkpoint, expected, tmp_path
+):
+    """A queued session's blocks read ahead into a full host memory are as recent as any:
+    other sessions' blocks saved before its load evict older blocks, not them."""
+    from ember.engine.messages import EngineCoreRequest
+
+    first, turn2, second = expected
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24,
+                   kv_offload_memory=16 * 8192, **POOL)  # 16 blocks  # fmt: skip
+    llm = LLM(str(tiny_checkpoint("llama")), **options)
+    tokens(llm, PROMPT_A, kv_retention="session")
+    store(llm).flush()
+    restarted = LLM(str(tiny_checkpoint("llama")), **options)
+    tiers = store(restarted)
+    others = [bytes([i]) * 16 for i in range(8)]  # other sessions' blocks, by hash
+    tiers.save([(h, 0) for h in others[:4]], retain=True)  # older than the session's
+    core = restarted.engine.core
+    core.add_request(EngineCoreRequest("t2", turn2, GREEDY, 8, [], kv_retention="session"))
+    tiers.flush()
+    assert tiers.stats.prefetched == 12  # host memory is full now
+    tiers.save([(h, 0) for h in others[4:]], retain=True)  # saved while it waits
+    in_memory = [tiers.key(h) in tiers.host for h in others]
+    assert in_memory == [False] * 4 + [True] * 4  # the older ones made room
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    assert [t for o in outputs for t in o.new_token_ids] == second
+    assert tiers.stats.host.hits == 12 and tiers.stats.disk.hits == 0
+    assert_clean(restarted)
+
+
 def test_ember_up_restarts_a_killed_worker_and_it_serves_warm_from_disk(tiny_checkpoint, tmp_path):
     """`ember up --kv-disk-dir`: each worker its own directory; a session's worker killed
     with SIGKILL is started again by `ember up`, rejoins the router, and the session's next

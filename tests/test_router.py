@@ -228,3 +228,22 @@ def test_a_shared_store_makes_a_moved_session_cheaper_than_a_recompute():
             assert decision.cost == prompt + 16
         home.tokens_in_flight = 0
         assert router.choose(turn2, 16, "s1").cost < decision.cost  # a local hit: cheaper
+
+
+def test_ember_bench_records_the_worker_the_router_chose(cluster, tiny_checkpoint, tmp_path):
+    import json
+
+    from ember.cli import build_parser
+
+    url, workers = cluster
+    out = tmp_path / "bench.json"
+    argv = ["bench", "serve", "--url", url, "--tokenizer", str(tiny_checkpoint("llama")),
+            "--no-progress", "--out", str(out), "--workload", "agentic", "--num-sessions", "4",
+            "--num-turns", "2", "--system-tokens", "16", "--num-tools", "0",
+            "--turn-tokens", "4", "--output-len", "4"]  # fmt: skip
+    parsed = build_parser().parse_args(argv)
+    assert parsed.func(parsed) == 0
+    records = json.loads(out.read_text())["requests"]
+    assert len(records) == 8 and {r["worker"] for r in records} <= {w.url for w in workers}
+    for session in {r["session_id"] for r in records}:  # each session stayed home
+        assert len({r["worker"] for r in records if r["session_id"] == session}) == 1

@@ -21,7 +21,7 @@ import httpx
 from tqdm import tqdm
 
 from ember.bench.workloads import Session, Turn, WordSource
-from ember.headers import SESSION_HEADER
+from ember.headers import SESSION_HEADER, WORKER_HEADER
 
 
 @dataclass
@@ -39,6 +39,7 @@ class RequestRecord:
     error: str | None = None  # its kind ("HTTP 429", "ReadTimeout", ...), for grouping
     error_detail: str | None = None  # the server's message
     echoed_session: str | None = None
+    worker: str | None = None  # the worker a router named (x-ember-worker)
     hash_ids: list[int] | None = None
 
 
@@ -176,6 +177,7 @@ class LoadGenerator:
                 "POST", "/v1/chat/completions", json=self._body(session, turn), headers=headers
             ) as response:
                 record.echoed_session = response.headers.get(SESSION_HEADER)
+                record.worker = response.headers.get(WORKER_HEADER)
                 if response.status_code != 200:
                     record.error = f"HTTP {response.status_code}"
                     record.error_detail = (await response.aread()).decode(errors="replace")[:500]

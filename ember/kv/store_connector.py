@@ -91,15 +91,16 @@ class TierConnector(KVConnector):
         first = num_local_hit // self.block_size
         last = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[first:last]
+        retain = request.retain_kv
         if self.store.cluster is None:
-            self.store.prefetch(hashes)
+            self.store.prefetch(hashes, retain=retain)
             return
         future = self.store.lookup(request.block_hashes[:last])
         future.add_done_callback(
             lambda done: (
                 done.cancelled()
                 or done.exception() is not None
-                or self.store.prefetch(hashes, done.result()[first:])
+                or self.store.prefetch(hashes, done.result()[first:], retain)
             )
         )
         self._lookups[request.request_id] = _Lookup(future, time.monotonic())
@@ -148,7 +149,7 @@ class TierConnector(KVConnector):
         first = num_local_hit // self.block_size
         end = request.num_loaded_end // self.block_size
         pairs = zip(request.block_hashes[first:end], block_ids[first:end], strict=True)
-        load = self.store.load(list(pairs))
+        load = self.store.load(list(pairs), request.retain_kv)
         self._track(request, load.future, load.cancel)
 
     def _load_failed(self, request) -> None:

@@ -466,15 +466,18 @@ class TieredStore:
                 self._in_cluster.add(key)
         return found
 
-    def prefetch(self, block_hashes: Sequence[bytes], in_cluster: Sequence[bool] = ()) -> None:
+    def prefetch(
+        self, block_hashes: Sequence[bytes], in_cluster: Sequence[bool] = (), retain: bool = False
+    ) -> None:
         """In the background, while the request waits in the queue: its stored blocks not
         in host memory yet (the leading run, from disk, or from the cluster where
         `in_cluster` says so) are read into host memory, so that its load when admitted
-        is a memcpy."""
+        is a memcpy. `retain`: a session's blocks (in host memory with the sessions', so
+        that saving other sessions' blocks does not evict them before the load)."""
         if self.host is not None and (self.disk is not None or any(in_cluster)):
-            self._prefetcher.submit(self._prefetch, list(block_hashes), list(in_cluster))
+            self._prefetcher.submit(self._prefetch, list(block_hashes), list(in_cluster), retain)
 
-    def _prefetch(self, block_hashes: list[bytes], in_cluster: list[bool]) -> None:
+    def _prefetch(self, block_hashes: list[bytes], in_cluster: list[bool], retain: bool) -> None:
         run = []  # the leading blocks stored below host memory, claimed for this read
         for i, block_hash in enumerate(block_hashes):
             key = self.key(block_hash)
@@ -493,7 +496,7 @@ class TieredStore:
                     data = self.cluster.get(key, self.block_bytes) or None
                 if data is None:
                     return
-                self.host.put(key, [memoryview(data)])
+                self.host.put(key, [memoryview(data)], retain=retain)
                 self.stats.prefetched += 1
                 self._fetched(key)
         finally:
@@ -551,14 +554,16 @@ class TieredStore:
                 writer.flush()
         self._prefetcher.submit(lambda: None).result()
 
-    def load(self, blocks: Sequence[tuple[bytes, int]]) -> TierLoad:
+    def load(self, blocks: Sequence[tuple[bytes, int]], retain: bool = False) -> TierLoad:
         """Copies (block hash, block id) pairs from the tiers into the KV tensors in a
-        background thread; the load's future gives the bytes loaded or raises StoreMiss."""
+        background thread; the load's future gives the bytes loaded or raises StoreMiss.
+        Blocks read from disk or the cluster are kept in host memory (`retain`: with the
+        sessions')."""
         load = TierLoad()
-        load.future = self._loader.submit(self._load, list(blocks), load)
+        load.future = self._loader.submit(self._load, list(blocks), load, retain)
         return load
 
-    def _load(self, blocks: list[tuple[bytes, int]], load: TierLoad) -> int:
+    def _load(self, blocks: list[tuple[bytes, int]], load: TierLoad, retain: bool) -> int:
         for block_hash, block_id in blocks:
             key = self.key(block_hash)
             targets = list(chunks(self.kv_caches, [block_id]))
@@ -586,7 +591,7 @@ class TieredStore:
             load.scatter(memoryview(data), targets)
             self._count(tier, start)
             if self.host is not None:  # the next turn finds it in memory
-                self.host.put(key, [memoryview(data)])
+                self.host.put(key, [memoryview(data)], retain=retain)
         return len(blocks) * self.block_bytes
 
     def _count(self, tier: TierCounters, start: float) -> None:
