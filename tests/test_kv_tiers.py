@@ -280,26 +280,38 @@ def test_an_unknown_save_policy_is_refused(tiny_checkpoint):
         LLM(str(tiny_checkpoint("llama")), kv_offload_memory=1 << 20, kv_save="later", **POOL)
 
 
+def disk_options(tmp_path, host_bytes: int = 1 << 20) -> dict:
+    return dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24,
+                kv_offload_memory=host_bytes, **POOL)  # fmt: skip
+
+
+def save_a_to_disk(checkpoint, options: dict, kv_retention: str | None = None) -> None:
+    llm = LLM(str(checkpoint), **options)
+    tokens(llm, PROMPT_A, kv_retention=kv_retention)
+    store(llm).flush()
+
+
+def step_all(core) -> list[int]:
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    return [t for o in outputs for t in o.new_token_ids]
+
+
 def test_a_queued_requests_blocks_are_read_into_memory_ahead(tiny_checkpoint, expected, tmp_path):
     """While a request waits, its blocks on disk are read into host memory, so that its
     load when admitted is a memcpy."""
     from ember.engine.messages import EngineCoreRequest
 
     first, turn2, second = expected
-    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24,
-                   kv_offload_memory=1 << 20, **POOL)  # fmt: skip
-    llm = LLM(str(tiny_checkpoint("llama")), **options)
-    tokens(llm, PROMPT_A)
-    store(llm).flush()
+    options = disk_options(tmp_path)
+    save_a_to_disk(tiny_checkpoint("llama"), options)
     restarted = LLM(str(tiny_checkpoint("llama")), **options)  # warm disk, empty memory
     core = restarted.engine.core
     core.add_request(EngineCoreRequest("t2", turn2, GREEDY, 8, []))
     store(restarted).flush()  # the prefetch, done before the first step
     assert store(restarted).stats.prefetched == 12
-    outputs = []
-    while core.has_unfinished():
-        outputs += core.step()
-    assert [t for o in outputs for t in o.new_token_ids] == second
+    assert step_all(core) == second
     assert store(restarted).stats.host.hits == 12 and store(restarted).stats.disk.hits == 0
     assert_clean(restarted)
 
@@ -313,11 +325,8 @@ def test_a_load_waits_for_the_prefetch_already_reading_its_blocks(
     from ember.kv.tiers import DiskTier
 
     first, turn2, second = expected
-    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24,
-                   kv_offload_memory=1 << 20, **POOL)  # fmt: skip
-    llm = LLM(str(tiny_checkpoint("llama")), **options)
-    tokens(llm, PROMPT_A)
-    store(llm).flush()
+    options = disk_options(tmp_path)
+    save_a_to_disk(tiny_checkpoint("llama"), options)
     reads = []
     read = DiskTier.read
 
@@ -333,10 +342,7 @@ def test_a_load_waits_for_the_prefetch_already_reading_its_blocks(
     deadline = time.monotonic() + 5
     while not store(restarted)._fetching and time.monotonic() < deadline:
         time.sleep(0.001)  # the prefetch has claimed the blocks it is about to read
-    outputs = []
-    while core.has_unfinished():
-        outputs += core.step()
-    assert [t for o in outputs for t in o.new_token_ids] == second
+    assert step_all(core) == second
     assert len(reads) == len(set(reads)) == 12
     assert store(restarted).stats.host.hits == 12 and store(restarted).stats.disk.hits == 0
     assert_clean(restarted)
@@ -350,11 +356,8 @@ def test_a_sessions_prefetched_blocks_outlast_older_blocks_in_host_memory(
     from ember.engine.messages import EngineCoreRequest
 
     first, turn2, second = expected
-    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24,
-                   kv_offload_memory=16 * 8192, **POOL)  # 16 blocks  # fmt: skip
-    llm = LLM(str(tiny_checkpoint("llama")), **options)
-    tokens(llm, PROMPT_A, kv_retention="session")
-    store(llm).flush()
+    options = disk_options(tmp_path, host_bytes=16 * 8192)  # 16 blocks
+    save_a_to_disk(tiny_checkpoint("llama"), options, kv_retention="session")
     restarted = LLM(str(tiny_checkpoint("llama")), **options)
     tiers = store(restarted)
     others = [bytes([i]) * 16 for i in range(8)]  # other sessions' blocks, by hash
@@ -366,10 +369,7 @@ def test_a_sessions_prefetched_blocks_outlast_older_blocks_in_host_memory(
     tiers.save([(h, 0) for h in others[4:]], retain=True)  # saved while it waits
     in_memory = [tiers.key(h) in tiers.host for h in others]
     assert in_memory == [False] * 4 + [True] * 4  # the older ones made room
-    outputs = []
-    while core.has_unfinished():
-        outputs += core.step()
-    assert [t for o in outputs for t in o.new_token_ids] == second
+    assert step_all(core) == second
     assert tiers.stats.host.hits == 12 and tiers.stats.disk.hits == 0
     assert_clean(restarted)
 
