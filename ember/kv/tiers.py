@@ -486,9 +486,10 @@ class TieredStore:
                 break
             run.append((key, on_disk))
         with self._fetch_lock:
-            run = [(key, d, self._fetching.setdefault(key, threading.Event())) for key, d in run]
+            for key, _ in run:
+                self._fetching.setdefault(key, threading.Event())
         try:
-            for key, on_disk, _ in run:
+            for key, on_disk in run:
                 if key in self.host:
                     continue
                 data = self.disk.read(key, self.block_bytes) if on_disk else None
@@ -500,7 +501,7 @@ class TieredStore:
                 self.stats.prefetched += 1
                 self._fetched(key)
         finally:
-            for key, _, _ in run:
+            for key, _ in run:
                 self._fetched(key)
 
     def _fetched(self, key: bytes) -> None:
