@@ -322,7 +322,7 @@ def test_a_load_waits_for_the_prefetch_already_reading_its_blocks(
     """A request admitted while its prefetch is still reading from disk takes each block
     from host memory once the prefetch has it: every block is read from disk once."""
     from ember.engine.messages import EngineCoreRequest
-    from ember.kv.tiers import DiskTier
+    from ember.kv.disk_tier import DiskTier
 
     first, turn2, second = expected
     options = disk_options(tmp_path)

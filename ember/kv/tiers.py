@@ -13,12 +13,8 @@ and the request's cache salt) hashed again with the store's namespace, which cov
 checkpoint's identity, the KV layout and dtype, the block size and the precision the
 KV was computed in. KV of another model, tenant, layout or precision never matches.
 
-Disk: one file per block, `<dir>/<namespace>/<key>.kvb`: a header (magic, key, length,
-CRC-32 of the bytes) and the block's bytes, written to a temporary file and renamed into
-place, so a reader sees a whole block or none; a file whose header or checksum does not
-match is deleted on read. The files outlive the process: a restarted worker indexes
-them (oldest first, for LRU eviction) and serves warm. Each tier evicts its least
-recently used block when full.
+Disk: one file per block (ember.kv.disk_tier), surviving a restart. Each tier evicts its
+least recently used block when full.
 
 Cluster: Mooncake Store (ember.kv.mooncake.MooncakeStoreTier), shared by every worker
 pointed at the same master. Blocks are written to it by a background thread as they are
@@ -31,27 +27,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ember.kv.buffers import block_bytes, chunks
+from ember.kv.disk_tier import DiskTier
 
 logger = logging.getLogger("ember.kv")
 
-MAGIC = b"EMBERKV1"
-_HEADER = struct.Struct("<8s16sQI")  # magic, key, length, crc32
-SUFFIX = ".kvb"
-SESSION_SUFFIX = ".kvs"  # a session's block, kept for the session TTL
 # disk writes waiting in memory beyond this are dropped (the block stays in host memory)
 MAX_PENDING_WRITE_BYTES = 256 << 20
 # a load waits at most this long for a prefetch already reading its block
@@ -157,154 +146,6 @@ class HostTier:
 
     def _view(self, slot: int) -> memoryview:
         return memoryview(self.buffer[slot].numpy()).cast("B")
-
-
-class DiskTier:
-    """Blocks as files under `directory/<namespace>`, at most `capacity` bytes of them.
-
-    Blocks of agent sessions (`retain`) are files with SESSION_SUFFIX, evicted only after
-    every other block, or once `session_ttl` seconds have passed since they were last
-    saved (their mtime, so a restart keeps the promise)."""
-
-    def __init__(
-        self,
-        directory: str | Path,
-        capacity: int,
-        space: bytes,
-        stats: TierCounters,
-        session_ttl: float = 0.0,
-    ) -> None:
-        self.dir = Path(directory) / space.hex()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.capacity = capacity
-        self.session_ttl = session_ttl
-        self._stats = stats
-        self._lock = threading.Lock()
-        self.files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
-        self.kept: OrderedDict[bytes, int] = OrderedDict()  # the sessions' blocks, LRU first
-        self.kept_until: dict[bytes, float] = {}  # and when their TTL ends (time.time())
-        self.num_bytes = 0
-        found = []
-        for path in self.dir.iterdir():
-            if path.suffix not in (SUFFIX, SESSION_SUFFIX):
-                path.unlink(missing_ok=True)  # a write cut short by a crash or a kill
-                continue
-            try:
-                stat = path.stat()
-                key = bytes.fromhex(path.stem)
-            except (OSError, ValueError):
-                path.unlink(missing_ok=True)
-                continue
-            found.append((stat.st_mtime_ns, key, stat.st_size, path.suffix == SESSION_SUFFIX))
-        for mtime, key, size, kept in sorted(found):  # oldest first: the first evicted
-            (self.kept if kept else self.files)[key] = size
-            self.num_bytes += size
-            if kept:
-                self.kept_until[key] = mtime / 1e9 + session_ttl
-        self._evict()
-
-    def __contains__(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self.files or key in self.kept
-
-    def path(self, key: bytes, kept: bool | None = None) -> Path:
-        if kept is None:
-            kept = key in self.kept
-        return self.dir / f"{key.hex()}{SESSION_SUFFIX if kept else SUFFIX}"
-
-    def write(self, key: bytes, data: bytes, retain: bool = False) -> None:
-        """Writes a block atomically (a temporary file renamed into place); one already
-        here is only kept longer if `retain` (its TTL starts again)."""
-        if key in self:
-            if retain:
-                self._retain(key)
-            return
-        path = self.path(key, retain)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        header = _HEADER.pack(MAGIC, key, len(data), zlib.crc32(data))
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            logger.warning("KV block not written to %s: %s", path, exc)
-            return
-        with self._lock:
-            (self.kept if retain else self.files)[key] = len(header) + len(data)
-            self.num_bytes += len(header) + len(data)
-            if retain:
-                self.kept_until[key] = time.time() + self.session_ttl
-            self._stats.writes += 1
-            self._evict()
-
-    def _retain(self, key: bytes) -> None:
-        """Marks a stored block as a session's, or starts its TTL again."""
-        now = time.time()
-        with self._lock:
-            until = self.kept_until.get(key)
-            if until is not None and until - now > self.session_ttl / 2:
-                return  # renewed recently enough: spare the disk a write
-            try:
-                if until is None:
-                    os.replace(self.path(key, False), self.path(key, True))
-                else:
-                    os.utime(self.path(key, True))
-            except OSError:
-                return
-            if until is None:
-                self.kept[key] = self.files.pop(key)
-            self.kept.move_to_end(key)
-            self.kept_until[key] = now + self.session_ttl
-
-    def read(self, key: bytes, length: int) -> bytes | None:
-        """A block's bytes, or None if absent; a damaged file is deleted (None)."""
-        with self._lock:
-            lru = self.kept if key in self.kept else self.files
-            if key not in lru:
-                return None
-            lru.move_to_end(key)
-            path = self.path(key)
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            self._drop(key)
-            return None
-        if len(raw) >= _HEADER.size:
-            magic, stored_key, size, crc = _HEADER.unpack_from(raw)
-            data = raw[_HEADER.size :]
-            if (magic, stored_key, size) == (MAGIC, key, length) == (MAGIC, key, len(data)):
-                if zlib.crc32(data) == crc:
-                    return data
-        logger.warning("KV block file %s is damaged; it is dropped", path)
-        self._stats.corrupt += 1
-        self._drop(key)
-        return None
-
-    def _drop(self, key: bytes) -> None:
-        with self._lock:
-            path = self.path(key)
-            size = self.files.pop(key, None) or self.kept.pop(key, None)
-            self.kept_until.pop(key, None)
-            if size is not None:
-                self.num_bytes -= size
-        path.unlink(missing_ok=True)
-
-    def _evict(self) -> None:
-        """Files out until within capacity (lock held): a session's block whose TTL has
-        passed, else the least recently used of the others, else of the sessions'."""
-        now = time.time()
-        while self.num_bytes > self.capacity and (self.files or self.kept):
-            oldest_kept = next(iter(self.kept), None)
-            expired = oldest_kept is not None and self.kept_until[oldest_kept] <= now
-            lru = self.kept if expired or not self.files else self.files
-            victim = next(iter(lru))
-            path = self.path(victim)
-            self.num_bytes -= lru.pop(victim)
-            self.kept_until.pop(victim, None)
-            path.unlink(missing_ok=True)
-            self._stats.evictions += 1
 
 
 def _scatter(source: memoryview, targets: Sequence[memoryview]) -> None:
