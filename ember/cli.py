@@ -21,7 +21,7 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that runs a model."""
-    from ember.config import EngineConfig
+    from ember.config import SPECULATIVE_METHODS, EngineConfig
 
     d = EngineConfig()
     add_model_arg(parser)
@@ -126,6 +126,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.min_prefill_tokens,
         help="the step budget never cuts a step's prefill below this (default %(default)s)",
+    )
+    parser.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: propose draft tokens and verify them in one step "
+        "(ngram: prompt lookup in the request's own tokens); default off",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="most draft tokens per request and step (default %(default)s)",
+    )
+    parser.add_argument(
+        "--no-speculative-adaptive",
+        action="store_true",
+        help="always propose --num-speculative-tokens drafts (by default a request whose "
+        "drafts are rejected gets fewer, down to none for a while)",
+    )
+    parser.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=d.prompt_lookup_min,
+        help="ngram: the shortest suffix looked up (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=d.prompt_lookup_max,
+        help="ngram: the longest suffix looked up (default %(default)s)",
     )
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument(
@@ -239,6 +270,11 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_adaptive=not args.no_speculative_adaptive,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
         attention_backend=args.attention_backend,
         matmul_precision=args.matmul_precision,
         gguf_blocks=not args.no_gguf_blocks,

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     import torch
 
 
+# speculative decoding's proposers (ember.engine.speculative.METHODS)
+SPECULATIVE_METHODS = ("ngram",)
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -333,12 +336,32 @@ class EngineConfig:
     # when computed blocks go into the tiers: computed | finished | evicted
     # (ember.kv.store_connector.SAVE_POLICIES; docs/benchmarks.md for the choice)
     kv_save: str = "computed"
+    # speculative decoding (ember.engine.speculative): a proposer of draft tokens (None:
+    # off; "ngram": prompt lookup), at most num_speculative_tokens per request and step,
+    # fewer (down to none for a while) where they are not accepted unless not adaptive
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_adaptive: bool = True
+    # ngram: the shortest and longest suffix looked up in the request's earlier tokens
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("min_prefill_tokens", self.min_prefill_tokens)
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None); "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max; got "
+                f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"
+            )
         if not self.max_step_ms >= 0:
             raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms!r}")
         if self.kv_cache_memory is not None:

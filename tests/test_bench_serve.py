@@ -20,7 +20,7 @@ SUMMARY_KEYS = {
     "prompt_tokens", "cached_tokens", "recomputed_prompt_tokens", "output_tokens",
     "request_throughput",
     "output_throughput", "total_token_throughput", "goodput", "slo_ms", "cache_hit_ratio",
-    "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "per_turn", "errors",
+    "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "per_turn", "errors", "spec_decode",
 }  # fmt: skip
 RECORD_KEYS = {
     "session_id", "turn", "start", "ttft", "itl", "e2e", "prompt_tokens", "cached_tokens",
@@ -56,6 +56,7 @@ def test_random_workload_counts_and_json(tiny, tmp_path):
     summary, records = result["summary"], result["requests"]
     assert set(summary) == SUMMARY_KEYS and all(set(r) == RECORD_KEYS for r in records)
     assert summary["num_requests"] == summary["num_completed"] == len(records) == 6
+    assert summary["spec_decode"] is None  # the server does not speculate
     assert all(r["output_tokens"] == 5 and r["error"] is None for r in records)
     assert summary["output_tokens"] == 30
     # 5 tokens: at most 4 gaps between text chunks (the random model's special tokens and

@@ -15,6 +15,7 @@ import pytest
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
+from ember.engine.speculative import Proposer
 from ember.kv import wire
 from ember.kv.buffers import SHM_DIR, remove_stale_shm
 from ember.kv.params import KVTransferParams
@@ -133,6 +134,29 @@ def test_only_blocks_the_decode_worker_lacks_are_sent(checkpoint, prefill_core, 
     received = decode_core.stats().kv_bytes_received
     assert received == (len(remote.block_ids) - 5) * remote.block_bytes
     assert prefill_core.stats().kv_bytes_sent == received
+    settle(prefill_core, decode_core)
+
+
+def test_a_speculating_decode_worker_matches_a_mixed_worker(
+    checkpoint, prefill_core, reference, request
+):
+    decode_core = _decode_core(
+        checkpoint, request, speculative_method="ngram", speculative_adaptive=False
+    )
+
+    class Reference(Proposer):  # drafts the reference's tokens, every third one wrong
+        def propose(self, requests, num_tokens):
+            out = []
+            for r, k in zip(requests, num_tokens, strict=True):
+                n = r.num_output_tokens
+                out.append([t + (i % 3 == 2) for i, t in enumerate(reference[n : n + k], n)])
+            return out
+
+    decode_core.speculator.proposer = Reference()
+    remote = prefill(prefill_core, "p")
+    assert decode(decode_core, "d", remote) == reference
+    spec = decode_core.stats().spec_decode
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
     settle(prefill_core, decode_core)
 
 

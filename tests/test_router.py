@@ -157,8 +157,10 @@ def test_router_keeps_sessions_home_and_survives_a_dead_worker(cluster):
         [],
         ["--no-prefix-caching", "--no-gguf-blocks", "--kv-checksum"],
         ["--dtype", "bfloat16", "--max-num-batched-tokens", "256", "--kv-cache-memory", "64M"],
+        ["--speculative-method", "ngram", "--num-speculative-tokens", "6",
+         "--no-speculative-adaptive", "--prompt-lookup-min", "1", "--prompt-lookup-max", "3"],
     ],
-)
+)  # fmt: skip
 def test_ember_up_hands_each_engine_option_to_its_workers(flags):
     """Every engine option of `ember up` (on or off, default or not) reaches `ember serve`."""
     from ember.cli import build_parser, engine_options

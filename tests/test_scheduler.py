@@ -102,7 +102,9 @@ class FakeRunner:
                 assert self.kv.get(slot) == self.kv_value(request, pos), (
                     f"{request.request_id} reads wrong KV at position {pos}"
                 )
-        sampled = {s.request.request_id: self.sample(s.request) for s in out.scheduled if s.samples}
+        sampled = {
+            s.request.request_id: [self.sample(s.request)] for s in out.scheduled if s.samples
+        }
         _, finished = scheduler.update(out, sampled)
         for request in finished:
             assert (

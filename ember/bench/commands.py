@@ -129,6 +129,48 @@ def _server_model(args) -> str:
     return response.json()["data"][0]["id"]
 
 
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_counters(args) -> dict | None:
+    """Speculative decoding's counters from the server's /load (a router's: summed over
+    its workers' last reports); None where it does not speculate or does not say."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        load = httpx.get(f"{args.url.rstrip('/')}/load", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    reports = [w.get("reported") or {} for w in load["workers"]] if "workers" in load else [load]
+    specs = [r["spec_decode"] for r in reports if r.get("spec_decode")]
+    if not specs:
+        return None
+    total = {k: sum(s[k] for s in specs) for k in SPEC_COUNTERS}
+    width = max(len(s["accepted_per_position"]) for s in specs)
+    total["accepted_per_position"] = [
+        sum(s["accepted_per_position"][i] for s in specs if i < len(s["accepted_per_position"]))
+        for i in range(width)
+    ]
+    return total
+
+
+def spec_summary(before: dict | None, after: dict | None) -> dict | None:
+    """What the run's drafts did: the counters' growth, the share of draft tokens
+    accepted, and the mean tokens per verification (accepted drafts + the target's own)."""
+    if after is None:
+        return None
+    before = before or {k: 0 for k in SPEC_COUNTERS} | {"accepted_per_position": []}
+    out = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    old = before["accepted_per_position"]
+    out["accepted_per_position"] = [
+        n - (old[i] if i < len(old) else 0) for i, n in enumerate(after["accepted_per_position"])
+    ]
+    out["acceptance_rate"] = out["num_accepted_tokens"] / max(out["num_draft_tokens"], 1)
+    out["mean_accepted_length"] = 1 + out["num_accepted_tokens"] / max(out["num_drafts"], 1)
+    return out
+
+
 def run_serve(args) -> int:
     from ember.bench.report import plot, print_summary, result_json, summarize
     from ember.bench.serve import LoadGenerator
@@ -142,9 +184,11 @@ def run_serve(args) -> int:
     words = WordSource(open_checkpoint(resolve_model(args.tokenizer)).tokenizer(), args.seed)
     sessions = build_workload(words, args)
     generator = LoadGenerator(args, sessions, words)
+    spec_before = spec_counters(args)
     wall = asyncio.run(generator.run())
     records = sorted(generator.records, key=lambda r: r.start)
     summary = summarize(records, wall, slo)
+    summary["spec_decode"] = spec_summary(spec_before, spec_counters(args))
     print_summary(summary)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["started_at"] = generator.started_at  # the records' `start` counts from here

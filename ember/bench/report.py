@@ -124,6 +124,11 @@ def print_summary(summary: dict) -> None:
             print(f"{t['turn']:<6}{t['count']:>8}{t['prompt_tokens_mean']:>15.1f}"
                   f"{t['cached_tokens_mean']:>8.1f}{t['recomputed_tokens_mean']:>12.1f}"
                   f"{ttft:>21}")  # fmt: skip
+    if (spec := s.get("spec_decode")) is not None:
+        print(f"speculative decoding: {spec['num_accepted_tokens']} of "
+              f"{spec['num_draft_tokens']} draft tokens accepted "
+              f"({spec['acceptance_rate']:.3f}), {spec['mean_accepted_length']:.2f} tokens per "
+              f"verification, accepted per position {spec['accepted_per_position']}")  # fmt: skip
     if s["errors"]:
         print(f"errors: {s['errors']}")
 

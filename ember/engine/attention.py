@@ -41,6 +41,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]; True attends
     decode_context_lens: torch.Tensor | None  # [num_decodes] tokens each decode attends to
     prefills: list[PrefillSeq]
+    # the sequences the decode rows belong to (speculative decoding: a row per draft too)
+    num_decode_seqs: int | None = None
 
 
 class AttentionBackend(ABC):

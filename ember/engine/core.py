@@ -22,7 +22,8 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
-from ember.engine.scheduler import Scheduler
+from ember.engine.scheduler import Scheduler, SchedulerOutput
+from ember.engine.speculative import make_speculator
 from ember.engine.step_cost import StepCostModel, StepShape
 from ember.kv.buffers import Prefaulter, block_bytes
 from ember.kv.connector import ConnectorContext, KVStats, MultiConnector, make_connector
@@ -72,6 +73,7 @@ class EngineCore:
             min_prefill_tokens=config.min_prefill_tokens,
         )
         self.step_stats = StepStats()
+        self.speculator = make_speculator(config)
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -236,7 +238,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
-        sched_out = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule(self._drafts())
         if sched_out.empty:
             return []
         shape = sched_out.shape()
@@ -245,8 +247,9 @@ class EngineCore:
         for sched in sched_out.scheduled:
             if (more := step.prompt_logprobs.get(sched.request.request_id)) is not None:
                 sched.request.prompt_logprobs.extend(more)
-        sampled = dict(zip(step.request_ids, step.sampled.token_ids, strict=True))
-        logprobs = dict(zip(step.request_ids, step.sampled.logprobs, strict=True))
+        sampled = dict(zip(step.request_ids, step.token_ids, strict=True))
+        logprobs = dict(zip(step.request_ids, step.logprobs, strict=True))
+        self._observe_drafts(sched_out, sampled)
         updated, _ = self.scheduler.update(sched_out, sampled)
         measured_ms = (time.perf_counter() - start) * 1e3
         self.step_cost.observe(shape, measured_ms)
@@ -254,13 +257,13 @@ class EngineCore:
         outputs = []
         for update in updated:
             request = update.request
-            entry = logprobs[request.request_id]
+            entries = logprobs[request.request_id]
             first = request.num_output_tokens == len(update.new_token_ids)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
                     new_token_ids=update.new_token_ids,
-                    new_logprobs=None if entry is None else [entry],
+                    new_logprobs=None if entries is None else entries[: len(update.new_token_ids)],
                     finish_reason=request.status.value if request.status.finished else None,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_time=_queue_time(request) if first else None,
@@ -271,6 +274,20 @@ class EngineCore:
             if request.status.finished:
                 self._forget(request.request_id)
         return outputs
+
+    def _drafts(self) -> dict[str, list[int]] | None:
+        """Draft tokens for the running requests that decode (speculative decoding)."""
+        if self.speculator is None:
+            return None
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        return self.speculator.propose(decoding, self.max_model_len)
+
+    def _observe_drafts(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Tells the speculator how many of each request's drafts were accepted."""
+        for sched in sched_out.scheduled:
+            if sched.spec_token_ids:
+                num_accepted = len(sampled[sched.request.request_id]) - 1
+                self.speculator.observe(sched.request, len(sched.spec_token_ids), num_accepted)
 
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.connector
@@ -304,6 +321,7 @@ class EngineCore:
             num_capped_steps=self.step_stats.num_capped,
             last_prefill_cap=self.step_stats.last_prefill_cap,
             expert_tokens=self._expert_tokens(),
+            spec_decode=None if self.speculator is None else self.speculator.stats.as_dict(),
         )
 
     def _expert_tokens(self) -> list[tuple[int, list[int]]] | None:

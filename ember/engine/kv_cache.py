@@ -187,17 +187,21 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: Sequence[KVCacheBlock] = (),
         cache: bool = True,
+        num_lookahead: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Makes room for `num_new_tokens` more tokens; None when there is not enough.
 
         `computed_blocks` are prefix-cache hits for a request being admitted; on success
         they join its block table ahead of the new blocks. With `cache=False` the new
         blocks stay unfindable until `cache_blocks` (their KV is still on its way).
+        `num_lookahead` more slots are for draft tokens (speculative decoding): their KV
+        is written this step but may be rejected, so no block is cached for them.
         """
         ids = self.req_block_ids.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_needed = -(-num_total // self.block_size) - len(ids) - len(computed_blocks)
+        num_slots = num_total + num_lookahead
+        num_needed = -(-num_slots // self.block_size) - len(ids) - len(computed_blocks)
         num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_reclaimed:
             return None

@@ -12,6 +12,8 @@ step that changed something. In a server these go over ZeroMQ as msgpack:
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from ember.kv.params import KVTransferParams, RemotePrefill
@@ -98,6 +100,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     # MoE models: (layer, tokens routed to each of its experts since start) per MoE layer;
     # sent at most once a second and when the engine goes idle (None in between)
     expert_tokens: list[tuple[int, list[int]]] | None = None
+    # speculative decoding, when on: SpecStats.as_dict() (drafts, accepted, per position)
+    spec_decode: dict[str, Any] | None = None
 
 
 class RequestError(msgspec.Struct):

@@ -17,12 +17,12 @@ from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
-from ember.engine.sampler import Sampler, SamplerOutput
+from ember.engine.sampler import Sampler
 from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ember.kv import buffers as kv_buffers
 from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
-from ember.models.layers import Linear, can_pack_for_cpu, cpu_has_bf16
+from ember.models.layers import BF16_MIN_ROWS, Linear, can_pack_for_cpu, cpu_has_bf16
 from ember.models.moe import SparseMoE
 
 logger = logging.getLogger("ember.engine")
@@ -32,11 +32,13 @@ CPU_KV_CACHE_CAP = 4 << 30  # default CPU KV budget is at most 4 GiB
 
 @dataclass
 class StepOutput:
-    """Sampled tokens of the sequences that reached the end of their known tokens, and
-    the prompt logprobs computed this step (by request id)."""
+    """The tokens of the sequences that reached the end of their known tokens (one each,
+    or with drafts, the accepted ones and the next), their logprobs if asked for, and the
+    prompt logprobs computed this step (by request id)."""
 
     request_ids: list[str]
-    sampled: SamplerOutput
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None]
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
@@ -186,24 +188,47 @@ class ModelRunner:
         prompt_logprobs = {}
         if any(s.request.needs_prompt_logprobs for s in batch):
             prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
-        sampling = [s.request for s in batch if s.samples]
+        sampling = [s for s in batch if s.samples]
+        ids = [s.request.request_id for s in sampling]
         if not sampling:
-            return StepOutput([], SamplerOutput([], []), prompt_logprobs)
-        logits = self.model.compute_logits(hidden[sample_idx])
-        sampled = self.sampler(logits, sampling)
-        return StepOutput([r.request_id for r in sampling], sampled, prompt_logprobs)
+            return StepOutput([], [], [], prompt_logprobs)
+        requests = [s.request for s in sampling]
+        if any(s.spec_token_ids for s in sampling):
+            logits = self._verify_logits(hidden[sample_idx], len(sampling))
+            tokens, logprobs = self.sampler.verify(
+                logits, requests, [s.spec_token_ids for s in sampling]
+            )
+            return StepOutput(ids, tokens, logprobs, prompt_logprobs)
+        out = self.sampler(self.model.compute_logits(hidden[sample_idx]), requests)
+        tokens = [[t] for t in out.token_ids]
+        logprobs = [None if e is None else [e] for e in out.logprobs]
+        return StepOutput(ids, tokens, logprobs, prompt_logprobs)
+
+    def _verify_logits(self, hidden: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """Logits of verification rows in the precision their sequences' decodes would
+        have (bf16_prefill: fp32 below BF16_MIN_ROWS sequences, however many rows)."""
+        if not self.bf16_prefill or num_seqs >= BF16_MIN_ROWS:
+            return self.model.compute_logits(hidden)
+        chunks = hidden.split(BF16_MIN_ROWS - 1)
+        return torch.cat([self.model.compute_logits(chunk) for chunk in chunks])
 
     def _prepare(self, batch: list[ScheduledRequest], num_decodes: int):
         """Input ids, positions, attention metadata and the rows to sample, for a batch
-        whose first `num_decodes` entries compute one token each."""
+        whose first `num_decodes` entries compute one known token each, and their drafts
+        (rows at the positions after it, each attending to the context up to itself)."""
         bs, device = self.block_size, self.device
         decodes, prefills = batch[:num_decodes], batch[num_decodes:]
-        positions = [s.request.num_computed_tokens for s in decodes]
-        input_ids = [s.request.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
-        slots = [
-            s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)
-        ]
-        sample_idx = [i for i, s in enumerate(decodes) if s.samples]
+        input_ids, positions, slots, sample_idx, rows = [], [], [], [], []
+        for sched in decodes:
+            start = sched.request.num_computed_tokens
+            tokens = [sched.request.token_ids[start], *sched.spec_token_ids]
+            span = range(start, start + len(tokens))
+            if sched.samples:
+                sample_idx += range(len(input_ids), len(input_ids) + len(tokens))
+            input_ids += tokens
+            positions += span
+            slots += [sched.block_ids[p // bs] * bs + p % bs for p in span]
+            rows += [(sched.block_ids, p + 1) for p in span]
         prefill_pos, prefill_slots, prefill_seqs = [], [], []
         for sched in prefills:
             start, num = sched.request.num_computed_tokens, sched.num_new_tokens
@@ -217,12 +242,13 @@ class ModelRunner:
             )
             if sched.samples:
                 sample_idx.append(len(input_ids) - 1)
-        table, mask, lens = self._decode_tables(decodes)
+        table, mask, lens = self._decode_tables(rows)
         meta = AttentionMetadata(
             slot_mapping=torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots]).to(
                 device
             ),
-            num_decodes=num_decodes,
+            num_decodes=len(rows),
+            num_decode_seqs=len(decodes),
             decode_block_table=table,
             decode_mask=mask,
             decode_context_lens=lens,
@@ -232,12 +258,13 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         return ids, positions_t.to(device), meta, torch.tensor(sample_idx, device=device)
 
-    def _decode_tables(self, decodes: list[ScheduledRequest]):
-        if not decodes:
+    def _decode_tables(self, rows: list[tuple[list[int], int]]):
+        """Block table, mask and context length of each decode row (block ids, context)."""
+        if not rows:
             return None, None, None
-        width = max(len(s.block_ids) for s in decodes)
-        table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes])
-        context = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
+        width = max(len(ids) for ids, _ in rows)
+        table = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
+        context = torch.tensor([n for _, n in rows])
         mask = torch.arange(width * self.block_size).unsqueeze(0) < context.unsqueeze(1)
         device = self.device
         return table.to(device), mask[:, None, None, :].to(device), context.to(device)

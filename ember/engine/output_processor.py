@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.messages import EngineCoreOutput
 from ember.engine.processor import ProcessedPrompt
@@ -42,7 +44,28 @@ class SequenceState:
         self.num_sent_tokens = 0
 
     def add(self, core: EngineCoreOutput) -> bool:
-        """Takes a core output; True if a stop string ended the sequence here."""
+        """Takes a core output; True if a stop string ended the sequence here.
+
+        An output of several tokens (speculative decoding's accepted drafts, a prefill
+        worker's first tokens) is taken a token at a time where stop strings are
+        watched, so that the output ends at the token that completed one, as it would
+        have with a token per step."""
+        ids = core.new_token_ids
+        if len(ids) < 2 or not self.stop or self.detokenizer is None:
+            return self._add(core)
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            one = msgspec.structs.replace(
+                core,
+                new_token_ids=[token],
+                new_logprobs=None if core.new_logprobs is None else core.new_logprobs[i : i + 1],
+                finish_reason=core.finish_reason if last else None,
+            )
+            if self._add(one):
+                return True
+        return False
+
+    def _add(self, core: EngineCoreOutput) -> bool:
         out = self.output
         out.token_ids.extend(core.new_token_ids)
         if out.logprobs is not None and core.new_logprobs:

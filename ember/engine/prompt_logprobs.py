@@ -32,7 +32,7 @@ def compute_prompt_logprobs(
     model: torch.nn.Module, hidden: torch.Tensor, batch: list[ScheduledRequest]
 ) -> dict[str, PromptLogprobs]:
     """The new prompt logprobs of each request in `batch` (laid out in `hidden` one after
-    another, `num_new_tokens` rows each) that still lacks some."""
+    another, `num_new_tokens` rows each and a row per draft) that still lacks some."""
     out: dict[str, PromptLogprobs] = {}
     offset = 0
     for sched in batch:
@@ -48,7 +48,7 @@ def compute_prompt_logprobs(
                 targets = request.prompt_token_ids[first + 1 : end + 1]
                 num_top = request.sampling_params.prompt_logprobs
                 out[request.request_id] = _logprobs(model, rows, targets, num_top)
-        offset += sched.num_new_tokens
+        offset += sched.num_new_tokens + len(sched.spec_token_ids)
     return out
 
 

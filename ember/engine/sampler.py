@@ -31,16 +31,8 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(r.sampling_params.logit_bias for r in requests):
-            logits = apply_logit_bias(logits, requests)
-        if any(r.sampling_params.has_penalties for r in requests):
-            logits = apply_penalties(logits, requests)
-        logits = apply_grammars(logits, requests)
-        if any(r.num_output_tokens < r.sampling_params.min_tokens for r in requests):
-            logits = apply_min_tokens(logits, requests)
+        raw_logprobs = _raw_logprobs(logits, requests)
+        logits = process_logits(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
@@ -49,6 +41,121 @@ class Sampler:
             tokens[rows] = sample_random(logits[rows], subset)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_list, requests))
+
+    def verify(
+        self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
+        """Speculative decoding: each request's rows (1 + its drafts, one after another in
+        `logits`) give its tokens: the drafts the target model accepts, then one of its
+        own (a correction where a draft is rejected, else the token after the last).
+
+        Row i of a request is processed as if its first i drafts were output already
+        (penalties, min_tokens). Greedy: a draft is accepted while it equals the row's
+        argmax, so the output equals decoding without drafts. Random: rejection sampling
+        against a proposal that put all its probability on the draft (Leviathan et al.
+        2023): draft d is accepted with probability p(d), else the token is drawn from p
+        without d; the output is distributed exactly as p's draws would be. Returns
+        (tokens, logprobs: an entry per token, or None) per request."""
+        rows = [
+            _Row(r, d[:i]) for r, d in zip(requests, drafts, strict=True) for i in range(len(d) + 1)
+        ]
+        logits = logits.float()
+        raw_logprobs = _raw_logprobs(logits, rows)
+        logits = process_logits(logits, rows)
+        targets = logits.argmax(dim=-1).tolist()
+        tokens, logprobs, first = [], [], 0
+        for request, draft in zip(requests, drafts, strict=True):
+            span = range(first, first + len(draft) + 1)
+            if request.sampling_params.greedy:
+                accepted = _accept_greedy(draft, [targets[i] for i in span])
+            else:
+                probs = random_probs(logits[span.start : span.stop], [request] * len(span))
+                probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unscaled
+                accepted = _accept_random(draft, probs, request.generator)
+            tokens.append(accepted)
+            logprobs.append(
+                None
+                if raw_logprobs is None or request.sampling_params.logprobs is None
+                else [
+                    _logprob_entry(raw_logprobs[span[i]], t, request.sampling_params.logprobs)
+                    for i, t in enumerate(accepted)
+                ]
+            )
+            first = span.stop
+        return tokens, logprobs
+
+
+class _Row:
+    """A request as one of its verification rows sees it: with the drafts before the row
+    output already (what penalties, min_tokens and logit bias read)."""
+
+    def __init__(self, request: Request, drafts: list[int]) -> None:
+        self.request, self.drafts = request, drafts
+        self.sampling_params = request.sampling_params
+        self.grammar = request.grammar if not drafts else None  # drafted: no grammar
+        self.generator = request.generator
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.drafts)
+
+    @property
+    def ending_token_ids(self) -> set[int]:
+        return self.request.ending_token_ids
+
+
+def _accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
+    """The drafts equal to the target's argmax at their row, then the target's token."""
+    for i, token in enumerate(draft):
+        if token != targets[i]:
+            return [*draft[:i], targets[i]]
+    return [*draft, targets[len(draft)]]
+
+
+def _accept_random(
+    draft: list[int], probs: torch.Tensor, generator: torch.Generator | None
+) -> list[int]:
+    """Rejection sampling of `draft` against the rows' distributions `probs`."""
+    for i, token in enumerate(draft):
+        u = torch.rand((), generator=generator, device=probs.device)
+        if bool(u < probs[i, token]):
+            continue
+        residual = probs[i].clone()
+        residual[token] = 0.0  # p without the draft; its draw renormalizes
+        return [*draft[:i], _draw(residual, generator)]
+    return [*draft, _draw(probs[len(draft)], generator)]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from unnormalized probabilities (the exponential race, as sample_random)."""
+    noise = torch.empty(probs.shape[-1]).exponential_(generator=generator).to(probs.device)
+    return int((probs / noise).argmax())
+
+
+def _raw_logprobs(logits: torch.Tensor, requests) -> torch.Tensor | None:
+    if any(r.sampling_params.logprobs is not None for r in requests):
+        return torch.log_softmax(logits, dim=-1)
+    return None
+
+
+def process_logits(logits: torch.Tensor, requests) -> torch.Tensor:
+    """Logit bias, penalties, grammar masks and min_tokens, in that order, per row."""
+    if any(r.sampling_params.logit_bias for r in requests):
+        logits = apply_logit_bias(logits, requests)
+    if any(r.sampling_params.has_penalties for r in requests):
+        logits = apply_penalties(logits, requests)
+    logits = apply_grammars(logits, requests)
+    if any(r.num_output_tokens < r.sampling_params.min_tokens for r in requests):
+        logits = apply_min_tokens(logits, requests)
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -116,6 +223,20 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
 
 def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Draws one token per row after temperature, top-k, top-p and min-p."""
+    probs = random_probs(logits, requests)
+    noise = torch.empty_like(probs)
+    for i, request in enumerate(requests):
+        if request.generator is None:
+            noise[i].exponential_()
+        else:
+            row = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
+            noise[i] = row.to(probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def random_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each row's distribution after temperature, top-k, top-p and min-p (min-p's rows
+    are not renormalized: a draw from them need not be)."""
     device = logits.device
     params = [r.sampling_params for r in requests]
     temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
@@ -128,14 +249,7 @@ def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
     min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
     if bool((min_p > 0).any()):
         probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
-    noise = torch.empty_like(probs)
-    for i, request in enumerate(requests):
-        if request.generator is None:
-            noise[i].exponential_()
-        else:
-            row = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
-            noise[i] = row.to(device)
-    return (probs / noise).argmax(dim=-1)
+    return probs
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -162,13 +276,15 @@ def _gather_logprobs(
     out: list[dict[int, float] | None] = []
     for i, request in enumerate(requests):
         num = request.sampling_params.logprobs
-        if num is None:
-            out.append(None)
-            continue
-        entry = {tokens[i]: float(raw[i, tokens[i]])}
-        if num:
-            values, ids = raw[i].topk(num)
-            for token, value in zip(ids.tolist(), values.tolist(), strict=True):
-                entry.setdefault(token, value)
-        out.append(entry)
+        out.append(None if num is None else _logprob_entry(raw[i], tokens[i], num))
     return out
+
+
+def _logprob_entry(raw: torch.Tensor, token: int, num: int) -> dict[int, float]:
+    """{token: its logprob} followed by the row's top `num`."""
+    entry = {token: float(raw[token])}
+    if num:
+        values, ids = raw.topk(num)
+        for top, value in zip(ids.tolist(), values.tolist(), strict=True):
+            entry.setdefault(top, value)
+    return entry

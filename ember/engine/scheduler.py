@@ -40,6 +40,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    # a decode's draft tokens (speculative decoding), computed after its known token
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -55,14 +57,14 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.spec_token_ids) for s in self.scheduled)
 
     def shape(self) -> StepShape:
         """The step's work for the cost model (read before `Scheduler.update`)."""
         chunks = [s for s in self.scheduled if s.num_new_tokens > 1]
         return StepShape(
             num_prefill_tokens=sum(s.num_new_tokens for s in chunks),
-            num_decode_rows=len(self.scheduled) - len(chunks),
+            num_decode_rows=sum(1 + len(s.spec_token_ids) for s in self.scheduled) - len(chunks),
             num_attention_pairs=sum(
                 StepShape.chunk_pairs(s.request.num_computed_tokens, s.num_new_tokens)
                 for s in chunks
@@ -161,14 +163,16 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """This step's work; `drafts`: draft tokens (by request id) for running requests
+        that decode, each computed after the request's known token if the step has room."""
         if self.connector is not None:
             self._end_loads()
             for key in self.connector.collect():
                 self.kv_cache.release_held(key)
         out = SchedulerOutput()
         budget = self._budget(out)
-        self._schedule_running(out, budget)
+        self._schedule_running(out, budget, drafts or {})
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
@@ -189,7 +193,9 @@ class Scheduler:
                 out.prefill_cap = num_prefill = max(cap, min(self.min_prefill_tokens, num_prefill))
         return _Budget(self.max_num_batched_tokens, num_prefill)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: _Budget, drafts: dict[str, list[int]]
+    ) -> None:
         i = 0
         while i < len(self.running) and budget.num_tokens > 0:
             request = self.running[i]
@@ -197,15 +203,21 @@ class Scheduler:
             if num_new == 0:  # a prefill chunk, when the step has no room for more
                 i += 1
                 continue
-            while self.kv_cache.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    return
-            out.scheduled.append(
-                ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
-            )
+            spec = drafts.get(request.request_id, []) if num_new == 1 else []
+            spec = spec[: budget.num_tokens]
+            # drafts get slots only where there are free blocks for them
+            if spec and self.kv_cache.allocate_slots(request, 1, num_lookahead=len(spec)) is None:
+                spec = []
+            if not spec:
+                while self.kv_cache.allocate_slots(request, num_new) is None:
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        return
+            budget.num_tokens -= len(spec)
+            block_ids = self.kv_cache.block_ids(request.request_id)
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids, list(spec)))
             i += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
@@ -283,29 +295,40 @@ class Scheduler:
                 self.waiting.appendleft(request)
 
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
     ) -> tuple[list[TokenUpdate], list[Request]]:
-        """Advances computed counts and appends sampled tokens.
+        """Advances computed counts and appends sampled tokens: one per sampling request,
+        or with drafts, the accepted drafts and the target's next token (those up to
+        one that ends the request).
 
-        Returns the requests that got a token this step (finished or not), and those
+        Returns the requests that got tokens this step (finished or not), and those
         that finished.
         """
         updated: list[TokenUpdate] = []
         finished: list[Request] = []
+        block_size = self.kv_cache.block_size
         for sched in out.scheduled:
             request = sched.request
             prompt_left = request.num_prompt_tokens - request.num_computed_tokens
             self.num_prompt_tokens_computed += max(min(sched.num_new_tokens, prompt_left), 0)
-            start = request.num_computed_tokens // self.kv_cache.block_size
-            request.num_computed_tokens += sched.num_new_tokens
-            end = request.num_computed_tokens // self.kv_cache.block_size
+            start = request.num_computed_tokens // block_size
+            tokens, status = [], None
+            for token in sampled.get(request.request_id, ()):
+                tokens.append(token)
+                status = request.append_token(token, self.max_model_len)
+                if status is not None:
+                    break
+            # every appended token but the last was a draft whose KV this step computed
+            num_accepted = max(len(tokens) - 1, 0)
+            request.num_computed_tokens += sched.num_new_tokens + num_accepted
+            end = request.num_computed_tokens // block_size
+            if num_accepted:  # blocks the accepted drafts filled are findable now
+                self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             if end > start and self.connector is not None:
                 self.connector.blocks_computed(request, sched.block_ids, start, end)
-            token = sampled.get(request.request_id)
-            if token is None:
+            if not tokens:
                 continue
-            status = request.append_token(token, self.max_model_len)
-            updated.append(TokenUpdate(request, [token]))
+            updated.append(TokenUpdate(request, tokens))
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

@@ -132,7 +132,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden = F.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        fused = hidden.shape[0] <= self.fused_decode_max_rows  # else bf16, in the layers below
+        # else bf16, in the layers below; drafts' rows run as their sequence's decode would
+        rows = meta.num_decode_seqs or hidden.shape[0]
+        fused = rows <= self.fused_decode_max_rows
         if self.fused_decode is not None and not meta.prefills and fused:
             return self.fused_decode(hidden, cos_sin, kv_caches, meta)
         residual = None

@@ -77,7 +77,11 @@ def server_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 # options on by default, whose flags turn them off
-_NEGATED_FLAGS = {"enable_prefix_caching": "--no-prefix-caching", "gguf_blocks": "--no-gguf-blocks"}
+_NEGATED_FLAGS = {
+    "enable_prefix_caching": "--no-prefix-caching",
+    "gguf_blocks": "--no-gguf-blocks",
+    "speculative_adaptive": "--no-speculative-adaptive",
+}
 
 
 def worker_flags(options: dict) -> list[str]:

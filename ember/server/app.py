@@ -146,6 +146,7 @@ def build_app(
                 "bytes_sent": stats.kv_bytes_sent,
             },
             "kv_tiers": stats.kv_tiers,  # hits, bytes and load time per tier, evictions, ...
+            "spec_decode": stats.spec_decode,  # drafts proposed and accepted, if speculating
             "healthy": not llm.dead,
         }
 

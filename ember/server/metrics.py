@@ -104,6 +104,16 @@ class ServerMetrics:
             "ember_moe_expert_imbalance", "MoE models: the busiest expert's tokens over the "
             "mean, per MoE layer (1: balanced).", [*labels, "layer"], registry=r,
         )  # fmt: skip
+        self.spec_tokens = Gauge(
+            "ember_spec_decode_tokens", "Speculative decoding: draft tokens proposed and "
+            "accepted, and verifications (drafts), since start.", [*labels, "kind"],
+            registry=r,
+        )  # fmt: skip
+        self.spec_position = Gauge(
+            "ember_spec_decode_accepted_per_position", "Speculative decoding: drafts accepted "
+            "at each position of a request's drafts, since start.", [*labels, "position"],
+            registry=r,
+        )  # fmt: skip
         self.startup = Gauge(
             "ember_startup_seconds", "When each start-up phase ended, in seconds since the "
             "server process began (ember.startup).", ["model_name", "process", "phase"],
@@ -151,6 +161,12 @@ class ServerMetrics:
         self.step_seconds.labels(name, "error").set(stats.step_error_seconds)
         self.capped_steps.labels(name).set(stats.num_capped_steps)
         self.prefill_cap.labels(name).set(stats.last_prefill_cap)
+        if (spec := stats.spec_decode) is not None:
+            self.spec_tokens.labels(name, "draft").set(spec["num_draft_tokens"])
+            self.spec_tokens.labels(name, "accepted").set(spec["num_accepted_tokens"])
+            self.spec_tokens.labels(name, "drafts").set(spec["num_drafts"])
+            for position, count in enumerate(spec["accepted_per_position"]):
+                self.spec_position.labels(name, str(position)).set(count)
         return generate_latest(self.registry)
 
 

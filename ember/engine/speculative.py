@@ -1,0 +1,227 @@
+"""Speculative decoding: proposers of draft tokens, and how many each request gets.
+
+Each step, before scheduling, the engine core asks its `Speculator` for draft tokens for
+the running requests that decode (one known token left to compute). The scheduler gives
+such a request 1 + K decode rows: its known token and its K drafts, at consecutive
+positions, each row attending to the context up to itself (the KV of all rows is
+written before any row attends, so the rows are causal among themselves). The sampler
+verifies the rows' logits (`Sampler.verify`: greedy keeps drafts while they equal the
+target's argmax; random sampling uses rejection sampling, so the output distribution
+is the target model's), and the scheduler commits the accepted drafts plus one token of
+the target's own; the KV of rejected drafts is left behind `num_computed_tokens`, to be
+overwritten, and never enters the prefix cache.
+
+Proposers (behind `Proposer.propose`):
+- `ngram`: prompt lookup. The longest suffix of the request's tokens (between
+  `min_n` and `max_n` tokens) that occurred before; the tokens that followed its most
+  recent earlier occurrence are the drafts. No model, microseconds per request.
+
+The adaptive mode keeps, per request, how many drafts to propose: all accepted doubles
+it (up to `num_speculative_tokens`), none accepted halves it; at 0 the request decodes
+without drafts for a while (8 steps, doubling up to 64 each time it falls back to 0),
+then tries one draft again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ember.config import EngineConfig
+from ember.engine.request import Request
+
+COOLDOWN_STEPS = (8, 64)  # steps without drafts after acceptance fell to 0: first, at most
+
+
+class Proposer(ABC):
+    """Proposes up to `num_tokens[i]` draft tokens to follow `requests[i]`'s tokens."""
+
+    @abstractmethod
+    def propose(
+        self, requests: Sequence[Request], num_tokens: Sequence[int]
+    ) -> list[list[int]]: ...
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup over the request's prompt and output (module docstring)."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min <= max; got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._tokens: weakref.WeakKeyDictionary[Request, _Tokens] = weakref.WeakKeyDictionary()
+
+    def propose(self, requests, num_tokens):
+        out = []
+        for request, k in zip(requests, num_tokens, strict=True):
+            if k <= 0:
+                out.append([])
+                continue
+            tokens = self._tokens.get(request)
+            if tokens is None:
+                tokens = self._tokens[request] = _Tokens()
+            out.append(self.lookup(tokens.sync(request.token_ids), k))
+        return out
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        """The `k` tokens after the most recent earlier occurrence of the longest suffix
+        of `tokens` of `min_n` to `max_n` tokens (fewer near the end; none if no match)."""
+        n = len(tokens)
+        if n <= self.min_n:
+            return []
+        # ends[i]: an earlier position whose token equals the last token, and whose
+        # `depth` tokens before it equal the suffix's as well
+        ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
+        best, depth = None, 1
+        while ends.size:
+            if depth >= self.min_n:
+                best = ends
+            if depth == self.max_n:
+                break
+            ends = ends[ends >= depth]
+            ends = ends[tokens[ends - depth] == tokens[n - 1 - depth]]
+            depth += 1
+        if best is None:
+            return []
+        start = int(best[-1]) + 1  # the most recent occurrence
+        return tokens[start : start + k].tolist()
+
+
+class _Tokens:
+    """A request's token ids as a growing int64 array (appended to, never rebuilt)."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        n = len(token_ids)
+        if n > len(self.array):
+            grown = np.empty(max(n, 2 * len(self.array)), dtype=np.int64)
+            grown[: self.size] = self.array[: self.size]
+            self.array = grown
+        if n > self.size:
+            self.array[self.size : n] = token_ids[self.size : n]
+        self.size = n
+        return self.array[:n]
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (for /load, /metrics and `ember bench`)."""
+
+    num_drafts: int = 0  # verifications of one request's drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts at i kept
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters, the share of drafts accepted, and the mean tokens per verification
+        (accepted drafts + the target's own)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+            "mean_accepted_length": 1 + self.num_accepted_tokens / max(self.num_drafts, 1),
+        }
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass
+class _Budget:
+    """One request's adaptive number of drafts."""
+
+    k: int
+    cooldown: int = 0  # steps left without drafts
+    next_cooldown: int = COOLDOWN_STEPS[0]
+
+
+class Speculator:
+    """Decides which requests get drafts and how many, asks the proposer, and learns
+    from what the sampler accepted."""
+
+    def __init__(self, proposer: Proposer, num_tokens: int, adaptive: bool = True) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.adaptive = adaptive
+        self.stats = SpecStats()
+        self._budgets: weakref.WeakKeyDictionary[Request, _Budget] = weakref.WeakKeyDictionary()
+
+    def propose(self, requests: Sequence[Request], max_model_len: int) -> dict[str, list[int]]:
+        """Drafts for those of `requests` (running, decoding) that take them now."""
+        chosen, ks = [], []
+        for request in requests:
+            k = self._k(request, max_model_len)
+            if k > 0:
+                chosen.append(request)
+                ks.append(k)
+        drafts = self.proposer.propose(chosen, ks) if chosen else []
+        return {r.request_id: d[:k] for r, d, k in zip(chosen, drafts, ks, strict=True) if d}
+
+    def _k(self, request: Request, max_model_len: int) -> int:
+        if request.grammar is not None:  # drafts are not checked against a grammar (yet)
+            return 0
+        # the last token of a step is the target's own, within the context
+        left = min(
+            request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens
+        )
+        left -= 1
+        if left <= 0:
+            return 0
+        budget = self._budget(request)
+        if budget.cooldown:
+            budget.cooldown -= 1
+            return 0
+        return min(budget.k, left)
+
+    def _budget(self, request: Request) -> _Budget:
+        budget = self._budgets.get(request)
+        if budget is None:
+            budget = self._budgets[request] = _Budget(self.num_tokens)
+        return budget
+
+    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """What the verification of `num_drafts` drafts of `request` kept."""
+        self.stats.record(num_drafts, num_accepted)
+        if not self.adaptive:
+            return
+        budget = self._budget(request)
+        if num_accepted == num_drafts:
+            budget.k = min(max(2 * budget.k, 1), self.num_tokens)
+        elif num_accepted == 0:
+            budget.k //= 2
+            if budget.k == 0:  # off for a while, then one draft again
+                budget.cooldown = budget.next_cooldown
+                budget.next_cooldown = min(2 * budget.next_cooldown, COOLDOWN_STEPS[1])
+                budget.k = 1
+        else:
+            budget.k = max(num_accepted + 1, 1)
+            budget.next_cooldown = COOLDOWN_STEPS[0]
+        if num_accepted:
+            budget.next_cooldown = COOLDOWN_STEPS[0]
+
+
+def make_speculator(config: EngineConfig) -> Speculator | None:
+    """The engine's speculator, or None when speculative decoding is off (the method
+    names were checked by EngineConfig)."""
+    if config.speculative_method is None:
+        return None
+    proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_adaptive)
