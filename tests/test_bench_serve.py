@@ -25,7 +25,7 @@ SUMMARY_KEYS = {
 RECORD_KEYS = {
     "session_id", "turn", "start", "ttft", "itl", "e2e", "prompt_tokens", "cached_tokens",
     "output_tokens", "finish_reason", "error", "error_detail", "echoed_session", "worker",
-    "hash_ids",
+    "hash_ids", "reply_digest",
 }  # fmt: skip
 
 
@@ -57,6 +57,7 @@ def test_random_workload_counts_and_json(tiny, tmp_path):
     assert set(summary) == SUMMARY_KEYS and all(set(r) == RECORD_KEYS for r in records)
     assert summary["num_requests"] == summary["num_completed"] == len(records) == 6
     assert summary["spec_decode"] is None  # the server does not speculate
+    assert all(len(r["reply_digest"]) == 16 for r in records)
     assert all(r["output_tokens"] == 5 and r["error"] is None for r in records)
     assert summary["output_tokens"] == 30
     # 5 tokens: at most 4 gaps between text chunks (the random model's special tokens and
@@ -126,6 +127,15 @@ def test_session_context_opens_each_sessions_first_message_only(tiny_checkpoint)
         assert b.system == a.system  # shared by all sessions, as before
     contexts = {s.turns[0].messages[0]["content"].split("\n\n")[0] for s in with_context}
     assert len(contexts) == 2  # each session's own
+    # --quote-tokens: each message asks for a passage of the session's context back
+    quoting = sessions("--session-context-tokens", "40", "--quote-tokens", "12")
+    for a, b in zip(with_context, quoting, strict=True):
+        context = b.turns[0].messages[0]["content"].split("\n\n")[0]
+        for asked, turn in zip(a.turns, b.turns, strict=True):
+            content = turn.messages[0]["content"]
+            head, _, passage = content.partition("\n\nRepeat this text exactly, word for word:\n")
+            assert head == asked.messages[0]["content"]
+            assert len(passage.split()) == 12 and passage in context
 
 
 def test_trace_replay_reproduces_shared_prefixes_on_time(tiny, tmp_path):

@@ -40,7 +40,8 @@ def lookup(tokens: list[int], k: int = 4, min_n: int = 2, max_n: int = 5) -> lis
 def test_ngram_proposes_what_followed_the_suffix_before():
     assert lookup([1, 2, 3, 4, 5, 9, 1, 2]) == [3, 4, 5, 9]
     assert lookup([1, 2, 3, 4, 5, 9, 1, 2], k=2) == [3, 4]
-    assert lookup([1, 2, 3, 1, 2]) == [3, 1, 2]  # runs into the suffix itself: fewer
+    assert lookup([1, 2, 3, 1, 2]) == [3, 1, 2, 3]  # runs into the suffix: a repeat
+    assert lookup([7, 1, 2, 1, 2], k=5) == [1, 2, 1, 2, 1]
 
 
 def test_ngram_prefers_the_longest_suffix_then_the_most_recent():
@@ -52,9 +53,9 @@ def test_ngram_prefers_the_longest_suffix_then_the_most_recent():
 
 def test_ngram_needs_min_n_matching_tokens():
     assert lookup([5, 2, 6, 3, 2]) == []  # only "2" repeats
-    assert lookup([5, 2, 6, 3, 2], min_n=1) == [6, 3, 2]
+    assert lookup([5, 2, 6, 3, 2], min_n=1) == [6, 3, 2, 6]
     assert lookup([1]) == [] and lookup([1, 1]) == []
-    assert lookup([1, 1, 1], min_n=2) == [1]
+    assert lookup([1, 1, 1], min_n=2) == [1, 1, 1, 1]
 
 
 def test_ngram_proposer_follows_a_growing_request():

@@ -37,6 +37,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-context-tokens", type=int, default=0,
                    help="agentic: each session's own context at the start of its first "
                         "message, after the system prompt (default 0)")  # fmt: skip
+    p.add_argument("--quote-tokens", type=int, default=0,
+                   help="agentic: each message also asks for this many tokens of the "
+                        "session's context back verbatim (replies that quote their context, "
+                        "as code edits and tool arguments do; default 0)")  # fmt: skip
     p.add_argument("--prefix-sharing", choices=["shared", "per-session"], default="shared",
                    help="agentic: system prompt and tools shared by all sessions or not")  # fmt: skip
     p.add_argument("--no-session-header", dest="session_header", action="store_false",

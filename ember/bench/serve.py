@@ -12,6 +12,7 @@ the summary, the table, the JSON and the plot.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import time
@@ -41,6 +42,8 @@ class RequestRecord:
     echoed_session: str | None = None
     worker: str | None = None  # the worker a router named (x-ember-worker)
     hash_ids: list[int] | None = None
+    # the reply's text and tool calls, hashed: two runs' outputs compare without storing them
+    reply_digest: str | None = None
 
 
 @dataclass
@@ -189,6 +192,10 @@ class LoadGenerator:
         except _StreamError as exc:
             record.error = str(exc)
         record.e2e = time.perf_counter() - sent
+        if record.error is None:
+            calls = [reply.tool_calls[i].get("function") for i in sorted(reply.tool_calls)]
+            text = json.dumps([reply.content, calls], sort_keys=True).encode()  # no call ids
+            record.reply_digest = hashlib.sha256(text).hexdigest()[:16]
         return record, reply
 
     def _on_line(self, line, record: RequestRecord, reply: _Reply, sent: float, last):

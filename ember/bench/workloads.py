@@ -100,15 +100,32 @@ def agentic_workload(words: WordSource, args) -> list[Session]:
             )
             for _ in range(args.num_turns)
         ]
+        source = None  # what a turn's reply quotes (--quote-tokens): the session's own
         if args.session_context_tokens and turns:  # the session's own task, files read...
             first = turns[0].messages[0]
             own = random.Random(f"{args.seed}:context:{s}")  # the rest as without it
-            context = words.text(args.session_context_tokens, own)
-            first["content"] = f"{context}\n\n{first['content']}"
+            source = words.draw(args.session_context_tokens, own)
+            first["content"] = f"{as_text(source)}\n\n{first['content']}"
+        if args.quote_tokens:
+            own = random.Random(f"{args.seed}:quote-source:{s}")  # without a context
+            _ask_for_quotes(turns, source or words.draw(args.quote_tokens * 4, own), args, s)
         sessions.append(
             Session(f"session-{s}", turns, system, tools or None, True, args.think_time)
         )
     return sessions
+
+
+def _ask_for_quotes(turns: list[Turn], source: list[str], args, session: int) -> None:
+    """Each turn asks for a passage of `source` (the session's context, or words drawn for
+    it) back verbatim, as an agent asks for a file edited or a tool called with arguments
+    it read: a reply that quotes its context."""
+    for t, turn in enumerate(turns):
+        rng = random.Random(f"{args.seed}:quote:{session}:{t}")
+        length = min(args.quote_tokens, len(source))
+        start = rng.randint(0, len(source) - length)
+        passage = as_text(source[start : start + length]).strip()
+        message = turn.messages[0]
+        message["content"] += f"\n\nRepeat this text exactly, word for word:\n{passage}"
 
 
 def _tools(words: WordSource, count: int, num_tokens: int, rng: random.Random) -> list[dict]:

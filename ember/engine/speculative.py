@@ -14,7 +14,8 @@ overwritten, and never enters the prefix cache.
 Proposers (behind `Proposer.propose`):
 - `ngram`: prompt lookup. The longest suffix of the request's tokens (between
   `min_n` and `max_n` tokens) that occurred before; the tokens that followed its most
-  recent earlier occurrence are the drafts. No model, microseconds per request.
+  recent earlier occurrence are the drafts (where they run into the suffix itself, the
+  repeat goes on). No model, microseconds per request.
 
 The adaptive mode keeps, per request, how many drafts to propose: all accepted doubles
 it (up to `num_speculative_tokens`), none accepted halves it; at 0 the request decodes
@@ -89,7 +90,12 @@ class NgramProposer(Proposer):
         if best is None:
             return []
         start = int(best[-1]) + 1  # the most recent occurrence
-        return tokens[start : start + k].tolist()
+        draft = tokens[start : start + k].tolist()
+        # a match that runs into the end is a repeat of period n - start: the drafts go
+        # on repeating it (a loop, a list) rather than stop short
+        while len(draft) < k:
+            draft.append(draft[start + len(draft) - n])
+        return draft
 
 
 class _Tokens:
