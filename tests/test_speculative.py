@@ -104,15 +104,27 @@ def test_adaptive_drafts_halve_to_off_then_come_back_and_grow():
     assert stats["accepted_per_position"] == [3, 1, 0, 0]
 
 
-def test_drafts_stop_at_max_tokens_and_the_context_and_skip_grammars():
+def test_drafts_stop_at_max_tokens_and_the_context():
     speculator = Speculator(Echo(), num_tokens=8, adaptive=False)
     request = Request("r", [1, 2], SamplingParams(max_tokens=4), 4)
     request.token_ids.append(5)  # one output token: 3 left, the last the target's own
     assert speculator.propose([request], 4096)["r"] == [0, 1]
     assert speculator.propose([request], 5)["r"] == [0]
     assert speculator.propose([request], 4) == {}  # the context's last token: the target's
-    request.grammar = object()
-    assert speculator.propose([request], 4096) == {}
+
+
+class FirstOnly:
+    """A grammar that takes one token of any draft."""
+
+    def valid_prefix(self, tokens):
+        return min(len(tokens), 1)
+
+
+def test_drafts_are_cut_to_what_a_grammar_takes():
+    speculator = Speculator(Echo(), num_tokens=8, adaptive=False)
+    request = Request("r", [1, 2], SamplingParams(max_tokens=40), 40)
+    request.grammar = FirstOnly()
+    assert speculator.propose([request], 4096) == {"r": [0]}
 
 
 # -- the scheduler: accepted drafts committed, rejected ones never cached ----------------
@@ -487,13 +499,18 @@ def test_prefix_hits_and_stop_strings_beside_drafts(tiny_checkpoint):
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
 
 
-def test_a_grammar_request_decodes_without_drafts_in_their_batch(tiny_checkpoint):
-    def run(**options) -> tuple[dict[str, list[int]], EngineCore]:
+def test_grammar_requests_verify_drafts_the_grammar_takes(tiny_checkpoint):
+    """JSON-constrained requests beside an unconstrained one: drafts mostly right, some
+    that break the grammar (cut before verification) or the model's choice (rejected)."""
+
+    def run(reference=None, **options) -> tuple[dict[str, list[int]], EngineCore]:
         config = EngineConfig(model=str(tiny_checkpoint("llama")), **SMALL, **options)
         core = EngineCore.from_config(config)
-        if core.speculator is not None:
-            core.speculator.proposer = Echo()  # drafts every step
-        grammar = json_schema_grammar(None)
+        if reference is not None:
+            core.speculator.proposer = Oracle(reference)
+        properties = {"name": {"type": "string"}, "items": {"type": "array"}}
+        schema = {"type": "object", "properties": properties, "required": ["name", "items"]}
+        grammar = json_schema_grammar(schema)
         for i, prompt in enumerate(_prompts()):
             params = SamplingParams(temperature=0.0, max_tokens=40)
             core.add_request(
@@ -503,12 +520,15 @@ def test_a_grammar_request_decodes_without_drafts_in_their_batch(tiny_checkpoint
         while core.has_unfinished():
             for o in core.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
         return out, core
 
     want, _ = run()
-    got, core = run(speculative_method="ngram", speculative_adaptive=False)
+    reference = {tuple(p): want[f"r{i}"] for i, p in enumerate(_prompts())}
+    got, core = run(reference, speculative_method="ngram", speculative_adaptive=False)
     assert got == want
-    assert core.stats().spec_decode["num_drafts"] > 0  # the request without a grammar
+    assert all(len(want[f"r{i}"]) == 40 for i in range(1, 4))  # JSON of some length
+    assert core.stats().spec_decode["num_accepted_tokens"] > 60
 
 
 def test_a_seeded_random_request_with_drafts_repeats_itself(tiny_checkpoint):

@@ -4,6 +4,9 @@
 makes one `GrammarMatcher` per sequence. Each step the sampler masks the logits of a
 constrained row to the tokens the matcher allows (`apply_grammars`); after sampling the
 request feeds the token back (`accept`), which says when the grammar is complete.
+Speculative decoding cuts a request's drafts to what the grammar takes (`valid_prefix`)
+and masks each verification row with the state after the drafts before it
+(`masks_along`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ class GrammarMatcher:
         """Advances past a sampled token; True once the grammar allows nothing more."""
         self._matcher.consume_token(token_id)
         return self._matcher.is_stopped() or self._matcher.is_error()
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (draft tokens) the grammar takes from here, in order."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
+
+    def masks_along(self, tokens: list[int]) -> list[torch.Tensor]:
+        """The masks from here and after each of `tokens` (which the grammar must take),
+        len(tokens) + 1 of them; the state is left as it was."""
+        masks = [self.allowed()]
+        for token in tokens:
+            self._matcher.consume_token(token)
+            masks.append(self.allowed())
+        self._matcher.rollback(len(tokens))
+        return masks
 
 
 def apply_grammars(logits: torch.Tensor, requests) -> torch.Tensor:

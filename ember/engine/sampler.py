@@ -56,9 +56,12 @@ class Sampler:
         2023): draft d is accepted with probability p(d), else the token is drawn from p
         without d; the output is distributed exactly as p's draws would be. Returns
         (tokens, logprobs: an entry per token, or None) per request."""
-        rows = [
-            _Row(r, d[:i]) for r, d in zip(requests, drafts, strict=True) for i in range(len(d) + 1)
-        ]
+        rows = []
+        for request, draft in zip(requests, drafts, strict=True):
+            grammar = request.grammar
+            masks = grammar.masks_along(draft) if grammar is not None and draft else None
+            for i in range(len(draft) + 1):
+                rows.append(_Row(request, draft[:i], None if masks is None else _Mask(masks[i])))
         logits = logits.float()
         raw_logprobs = _raw_logprobs(logits, rows)
         logits = process_logits(logits, rows)
@@ -87,12 +90,13 @@ class Sampler:
 
 class _Row:
     """A request as one of its verification rows sees it: with the drafts before the row
-    output already (what penalties, min_tokens and logit bias read)."""
+    output already (what penalties, min_tokens, logit bias and grammars read); `mask`: a
+    grammar's mask in that state."""
 
-    def __init__(self, request: Request, drafts: list[int]) -> None:
+    def __init__(self, request: Request, drafts: list[int], mask: _Mask | None = None) -> None:
         self.request, self.drafts = request, drafts
         self.sampling_params = request.sampling_params
-        self.grammar = request.grammar if not drafts else None  # drafted: no grammar
+        self.grammar = mask or request.grammar  # undrafted requests: the matcher as it is
         self.generator = request.generator
 
     @property
@@ -110,6 +114,16 @@ class _Row:
     @property
     def ending_token_ids(self) -> set[int]:
         return self.request.ending_token_ids
+
+
+class _Mask:
+    """A grammar mask computed ahead (GrammarMatcher.masks_along), as apply_grammars asks."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self._mask = mask
+
+    def allowed(self) -> torch.Tensor:
+        return self._mask
 
 
 def _accept_greedy(draft: list[int], targets: list[int]) -> list[int]:

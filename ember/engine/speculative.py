@@ -179,11 +179,16 @@ class Speculator:
                 chosen.append(request)
                 ks.append(k)
         drafts = self.proposer.propose(chosen, ks) if chosen else []
-        return {r.request_id: d[:k] for r, d, k in zip(chosen, drafts, ks, strict=True) if d}
+        out = {}
+        for request, draft, k in zip(chosen, drafts, ks, strict=True):
+            draft = draft[:k]
+            if draft and request.grammar is not None:  # what the grammar would refuse goes
+                draft = draft[: request.grammar.valid_prefix(draft)]
+            if draft:
+                out[request.request_id] = draft
+        return out
 
     def _k(self, request: Request, max_model_len: int) -> int:
-        if request.grammar is not None:  # drafts are not checked against a grammar (yet)
-            return 0
         # the last token of a step is the target's own, within the context
         left = min(
             request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens
