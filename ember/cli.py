@@ -132,7 +132,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=SPECULATIVE_METHODS,
         help="speculative decoding: propose draft tokens and verify them in one step "
-        "(ngram: prompt lookup in the request's own tokens); default off",
+        "(ngram: prompt lookup in the request's own tokens; draft: a smaller model, "
+        "--speculative-model); default off",
+    )
+    parser.add_argument(
+        "--speculative-model",
+        default=None,
+        help="--speculative-method draft: the draft model (an alias, a Hugging Face "
+        "directory or a GGUF file) with this model's tokenizer",
     )
     parser.add_argument(
         "--num-speculative-tokens",
@@ -271,6 +278,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         min_prefill_tokens=args.min_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         speculative_method=args.speculative_method,
+        speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_adaptive=not args.no_speculative_adaptive,
         prompt_lookup_min=args.prompt_lookup_min,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 # speculative decoding's proposers (ember.engine.speculative.METHODS)
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -337,9 +337,11 @@ class EngineConfig:
     # (ember.kv.store_connector.SAVE_POLICIES; docs/benchmarks.md for the choice)
     kv_save: str = "computed"
     # speculative decoding (ember.engine.speculative): a proposer of draft tokens (None:
-    # off; "ngram": prompt lookup), at most num_speculative_tokens per request and step,
-    # fewer (down to none for a while) where they are not accepted unless not adaptive
+    # off; "ngram": prompt lookup; "draft": speculative_model, a smaller model with the
+    # same tokenizer), at most num_speculative_tokens per request and step, fewer (down
+    # to none for a while) where they are not accepted unless not adaptive
     speculative_method: str | None = None
+    speculative_model: str | None = None
     num_speculative_tokens: int = 4
     speculative_adaptive: bool = True
     # ngram: the shortest and longest suffix looked up in the request's earlier tokens
@@ -356,6 +358,11 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None); "
                 f"got {self.speculative_method!r}"
+            )
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                "speculative_model names the draft model of speculative_method 'draft', and "
+                "that method needs one"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

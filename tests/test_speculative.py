@@ -468,6 +468,51 @@ def test_bf16_precision_verifies_drafts_as_its_decodes_run(tiny_checkpoint):
     assert core.runner.bf16_prefill and core.stats().spec_decode["num_accepted_tokens"] > 100
 
 
+@pytest.mark.parametrize("draft", ["llama", "qwen2"])  # itself: drafts right; another: not
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_num_batched_tokens": 16, "kv_cache_memory": 1 << 16, "max_model_len": 128}],
+)
+def test_a_draft_model_proposes_and_greedy_output_is_unchanged(tiny_checkpoint, draft, options):
+    path = tiny_checkpoint("llama")
+    prompts = _prompts()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, max_tokens=30, seed=5),  # random: rejection sampling
+        SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+    ]
+    want, plain = _run(path, prompts, params, **options)
+    spec = {"speculative_method": "draft", "speculative_model": str(tiny_checkpoint(draft))}
+    got, core = _run(path, prompts, params, **spec, **options)
+    _assert_same([want[i] for i in (0, 1, 3)], [got[i] for i in (0, 1, 3)])
+    stats = core.stats().spec_decode
+    assert stats["num_drafts"] > 10
+    proposer = core.speculator.proposer
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks  # every mirror freed
+    if draft == "llama":  # the same model: its drafts are the target's own greedy tokens
+        assert stats["acceptance_rate"] > 0.6 and core.stats().num_steps < plain.stats().num_steps
+    if "max_model_len" in options:
+        assert core.scheduler.num_preemptions > 0
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import COMMON
+
+    other = tmp_path / "other"
+    config = LlamaConfig(**{**COMMON, "vocab_size": 600})
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    with pytest.raises(ValueError, match="speculative_model: its vocabulary has 600"):
+        LLM(str(tiny_checkpoint("llama")), **SMALL, speculative_method="draft",
+            speculative_model=str(other))  # fmt: skip
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(speculative_method="ngram", speculative_model="x")
+
+
 def test_prefix_hits_and_stop_strings_beside_drafts(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prompts = _prompts()

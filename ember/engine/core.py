@@ -73,7 +73,7 @@ class EngineCore:
             min_prefill_tokens=config.min_prefill_tokens,
         )
         self.step_stats = StepStats()
-        self.speculator = make_speculator(config)
+        self.speculator = make_speculator(config, model_config, self.max_model_len, num_blocks)
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -105,6 +105,8 @@ class EngineCore:
         file, if any."""
         self.connector.close()
         self.runner.free_kv_cache()
+        if self.speculator is not None:
+            self.speculator.proposer.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineCore:
@@ -130,7 +132,9 @@ class EngineCore:
         """Ends user requests (all their sequences) or single sequences, at any moment."""
         for request_id in request_ids:
             for sequence_id in self._sequence_ids.get(request_id, [request_id]):
-                self.scheduler.abort(sequence_id)
+                aborted = self.scheduler.abort(sequence_id)
+                if aborted is not None and self.speculator is not None:
+                    self.speculator.proposer.forget(aborted)
             self._forget(request_id)
             self.connector.drop_hold(request_id)  # a prefill the frontend will not hand over
 
@@ -250,7 +254,10 @@ class EngineCore:
         sampled = dict(zip(step.request_ids, step.token_ids, strict=True))
         logprobs = dict(zip(step.request_ids, step.logprobs, strict=True))
         self._observe_drafts(sched_out, sampled)
-        updated, _ = self.scheduler.update(sched_out, sampled)
+        updated, finished = self.scheduler.update(sched_out, sampled)
+        if self.speculator is not None:
+            for request in finished:
+                self.speculator.proposer.forget(request)
         measured_ms = (time.perf_counter() - start) * 1e3
         self.step_cost.observe(shape, measured_ms)
         self.step_stats.record(sched_out.prefill_cap, shape, predicted_ms, measured_ms)

@@ -12,6 +12,8 @@ the target's own; the KV of rejected drafts is left behind `num_computed_tokens`
 overwritten, and never enters the prefix cache.
 
 Proposers (behind `Proposer.propose`):
+- `draft` (ember.engine.draft_model): a smaller model with the same tokenizer, with its
+  own paged KV cache, run K steps per verification;
 - `ngram`: prompt lookup. The longest suffix of the request's tokens (between
   `min_n` and `max_n` tokens) that occurred before; the tokens that followed its most
   recent earlier occurrence are the drafts (where they run into the suffix itself, the
@@ -33,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, ModelConfig
 from ember.engine.request import Request
 
 COOLDOWN_STEPS = (8, 64)  # steps without drafts after acceptance fell to 0: first, at most
@@ -46,6 +48,12 @@ class Proposer(ABC):
     def propose(
         self, requests: Sequence[Request], num_tokens: Sequence[int]
     ) -> list[list[int]]: ...
+
+    def forget(self, request: Request) -> None:  # noqa: B027 - most proposers keep nothing
+        """The request ended (finished or aborted): what the proposer keeps for it goes."""
+
+    def close(self) -> None:  # noqa: B027
+        """Frees what the proposer holds (a draft model's KV cache)."""
 
 
 class NgramProposer(Proposer):
@@ -229,10 +237,17 @@ class Speculator:
             budget.next_cooldown = COOLDOWN_STEPS[0]
 
 
-def make_speculator(config: EngineConfig) -> Speculator | None:
+def make_speculator(
+    config: EngineConfig, model_config: ModelConfig, max_model_len: int, num_blocks: int
+) -> Speculator | None:
     """The engine's speculator, or None when speculative decoding is off (the method
-    names were checked by EngineConfig)."""
+    names were checked by EngineConfig); a draft model gets `num_blocks` KV blocks."""
     if config.speculative_method is None:
         return None
-    proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.speculative_method == "draft":
+        from ember.engine.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(config, model_config, max_model_len, num_blocks)
+    else:
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return Speculator(proposer, config.num_speculative_tokens, config.speculative_adaptive)
