@@ -83,23 +83,23 @@ def main() -> None:
         order = args.methods[shift:] + args.methods[:shift]
         for kind in args.kind:
             for concurrency in args.concurrency:
-                reference = None
+                outputs = {}
                 for method in order:
                     core.speculator = speculators[method]
                     before = core.speculator.stats.as_dict() if core.speculator else None
                     wall, outs = run(llm, prompts(kind), params, concurrency)
-                    tokens = [o.outputs[0].token_ids for o in outs]
-                    reference = reference or (tokens if method == "none" else None)
+                    outputs[method] = [o.outputs[0].token_ids for o in outs]
                     line = f"{round_ + 1} {kind} c{concurrency} {method:6} "
-                    line += f"{sum(map(len, tokens)) / wall:7.1f} output tok/s"
+                    line += f"{sum(map(len, outputs[method])) / wall:7.1f} output tok/s"
                     if core.speculator is not None:
                         after = core.speculator.stats.as_dict()
                         drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
                         kept = after["num_accepted_tokens"] - before["num_accepted_tokens"]
                         line += f", {kept}/{drafted} drafts accepted"
-                    if reference is not None and method != "none":
-                        line += f", same output as none: {tokens == reference}"
                     print(line, flush=True)
+                if "none" in outputs:
+                    same = [m for m in outputs if m != "none" and outputs[m] == outputs["none"]]
+                    print(f"  same output as none: {', '.join(same) or 'none of them'}")
 
 
 if __name__ == "__main__":

@@ -367,6 +367,60 @@ def test_rejection_sampling_keeps_the_target_distribution_and_a_biased_verifier_
 
 # -- whole engines ------------------------------------------------------------------------
 
+
+class Table(Proposer):
+    """Drafts the token a table gives for a request's first output token."""
+
+    def __init__(self, table: dict[int, int]) -> None:
+        self.table = table
+
+    def propose(self, requests, num_tokens):
+        out = []
+        for request, k in zip(requests, num_tokens, strict=True):
+            first = request.output_token_ids[:1]  # none yet: the prompt's last chunk
+            out.append([self.table[t] for t in first][:k])
+        return out
+
+
+def test_sampling_with_drafts_keeps_the_models_distribution(tiny_checkpoint, monkeypatch):
+    """On the tiny model, temperature 1 and top-k 4: the first two output tokens of 600
+    seeded requests, with drafts (the greedy next token, accepted or rejected) and
+    without, come from one distribution by a chi-square test; a verifier that keeps every
+    draft fails it."""
+    path, prompt = str(tiny_checkpoint("llama")), _prompts()[2][:20]
+    plain = LLM(path, **SMALL, max_num_seqs=128)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    firsts = plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=4))
+    table = {t: plain.generate([prompt + [t]], greedy)[0].outputs[0].token_ids[0]
+             for t in firsts[0].outputs[0].logprobs[0]}  # fmt: skip
+
+    def pairs(llm, seed: int) -> list[int]:
+        params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, seed=seed + i)
+                  for i in range(600)]  # fmt: skip
+        outs = llm.generate([prompt] * 600, params)
+        return [o.outputs[0].token_ids[0] * 1000 + o.outputs[0].token_ids[1] for o in outs]
+
+    spec = LLM(path, **SMALL, max_num_seqs=128, speculative_method="ngram",
+               speculative_adaptive=False)  # fmt: skip
+    spec.engine.core.speculator.proposer = Table(table)
+    want = Counter(pairs(plain, 0))
+
+    def p_value() -> float:
+        got = Counter(pairs(spec, 100_000))
+        keys = sorted(set(want) | set(got))
+        return chi2_p_value([[want[k] for k in keys], [got[k] for k in keys]])
+
+    assert p_value() > 0.01
+    stats = spec.engine.core.stats().spec_decode
+    assert stats["num_drafts"] == 600 and 150 < stats["num_accepted_tokens"] < 550
+
+    def keep_all(draft, probs, generator):
+        return [*draft, sampler_module._draw(probs[len(draft)], generator)]
+
+    monkeypatch.setattr(sampler_module, "_accept_random", keep_all)
+    assert p_value() < 1e-6
+
+
 SMALL = dict(kv_cache_memory=1 << 22, max_model_len=256)
 
 
@@ -494,6 +548,26 @@ def test_a_draft_model_proposes_and_greedy_output_is_unchanged(tiny_checkpoint, 
         assert stats["acceptance_rate"] > 0.6 and core.stats().num_steps < plain.stats().num_steps
     if "max_model_len" in options:
         assert core.scheduler.num_preemptions > 0
+
+
+def test_the_draft_model_finds_an_earlier_turns_kv_by_prefix(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    llm = LLM(path, **SMALL, speculative_method="draft", speculative_model=path)
+    proposer = llm.engine.core.speculator.proposer
+    first = _prompts()[2]
+    reply = llm.generate([first], params)[0].outputs[0].token_ids
+    computed = proposer.num_tokens_computed
+    assert computed >= len(first)
+    # the next turn: the first turn's prompt and reply, and a new message; 3 tokens: the
+    # draft model catches up once, after the first, and proposes one
+    second = first + reply + _prompts()[1][:10]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    got = llm.generate([second], params)[0].outputs[0].token_ids
+    assert len(second) == 80 and proposer.num_tokens_computed - computed == 81 - 64  # 4 blocks
+    assert got == LLM(path, **SMALL).generate([second], params)[0].outputs[0].token_ids
+    assert proposer.kv.check_integrity()
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
 
 
 def test_a_draft_model_must_share_the_vocabulary(tiny_checkpoint, tmp_path):

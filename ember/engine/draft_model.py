@@ -2,10 +2,12 @@
 
 It runs in the engine core beside the target, on a `ModelRunner` of its own with its own
 paged KV cache (as many blocks as the target's, so that whatever the target holds fits)
-and its own block manager, without prefix caching (a draft's KV is rolled back, and a
-findable block must never change under its hash). Each request has a mirror `Request`
-on the draft's side, whose tokens are the target's plus the drafts last proposed; the KV
-it has computed stays valid up to where those tokens still equal the target's.
+and its own block manager. Each request has a mirror `Request` on the draft's side,
+whose tokens are the target's plus the drafts last proposed; the KV it has computed
+stays valid up to where those tokens still equal the target's. Only blocks of the
+target's own tokens become findable by prefix (a draft's KV is rolled back, and a
+findable block must never change under its hash): a new request finds the draft KV of
+an earlier one with the same prefix, as the target does.
 
 A round of proposals, for the requests the speculator chose:
     catch up: one step over the target's tokens the draft has not computed (the first
@@ -56,8 +58,11 @@ class DraftModelProposer(Proposer):
         )  # fmt: skip
         self.runner = ModelRunner(draft_config, model_config, checkpoint, max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)
+        caching = config.enable_prefix_caching
+        self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=caching)
         self._mirrors: dict[str, tuple[Request, Request, int]] = {}  # id -> target, mirror, len
+        self._new: set[str] = set()  # mirrors that have not looked up the prefix cache yet
+        self.num_tokens_computed = 0  # by the draft model, since start
         logger.info("draft model %s: %d KV blocks", config.speculative_model, num_blocks)
 
     def close(self) -> None:
@@ -68,6 +73,7 @@ class DraftModelProposer(Proposer):
         if entry is not None and entry[0] is request:
             self.kv.free(entry[1])
             del self._mirrors[request.request_id]
+            self._new.discard(request.request_id)
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
@@ -77,10 +83,18 @@ class DraftModelProposer(Proposer):
         while mirrors:
             out = SchedulerOutput()
             for mirror in mirrors:
-                num_new = mirror.num_tokens - mirror.num_computed_tokens
-                if self.kv.allocate_slots(mirror, num_new) is not None:
+                hits = []  # a new mirror's prefix-cache hits, looked up just before use
+                if mirror.request_id in self._new:
+                    self._new.discard(mirror.request_id)
+                    hits, _ = self.kv.get_computed_blocks(mirror)
+                num_hit = len(hits) * self.kv.block_size
+                num_new = mirror.num_tokens - mirror.num_computed_tokens - num_hit
+                # never cached here: the tokens past the target's are drafts
+                if self.kv.allocate_slots(mirror, num_new, hits, cache=False) is not None:
+                    mirror.num_computed_tokens += num_hit
                     block_ids = self.kv.block_ids(mirror.request_id)
                     out.scheduled.append(ScheduledRequest(mirror, num_new, block_ids))
+                    self.num_tokens_computed += num_new
             if not out.scheduled:
                 break
             result = self.runner.execute(out)
@@ -101,8 +115,9 @@ class DraftModelProposer(Proposer):
         if entry is None or entry[0] is not request:
             if entry is not None:
                 self.kv.free(entry[1])
-            mirror = Request(request.request_id, request.prompt_token_ids, GREEDY, 1 << 30)
+            mirror = Request(request.request_id, request.token_ids, GREEDY, 1 << 30)
             mirror.cache_salt = request.cache_salt
+            self._new.add(request.request_id)
             self._mirrors[request.request_id] = (request, mirror, 0)
             entry = self._mirrors[request.request_id]
         _, mirror, synced = entry
@@ -115,5 +130,9 @@ class DraftModelProposer(Proposer):
         # at least the last token is computed again: its logits give the first draft
         mirror.num_computed_tokens = min(mirror.num_computed_tokens, agree, len(target) - 1)
         mirror.token_ids = list(target)
+        # the blocks of the target's tokens (agreed, so never written again) are findable:
+        # the next turn of a conversation finds its prompt's draft KV here
+        if mirror.num_computed_tokens:
+            self.kv.cache_blocks(mirror, mirror.num_computed_tokens)
         self._mirrors[request.request_id] = (request, mirror, len(target))
         return mirror
