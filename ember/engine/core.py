@@ -259,10 +259,6 @@ class EngineCore:
             for request in finished:
                 self.speculator.proposer.forget(request)
         measured_ms = (time.perf_counter() - start) * 1e3
-        if self.speculator is not None and not shape.num_prefill_tokens:
-            drafted = any(s.spec_token_ids for s in sched_out.scheduled)
-            num_tokens = sum(len(t) for t in step.token_ids)
-            self.speculator.observe_step(len(sched_out.scheduled), drafted, measured_ms, num_tokens)
         self.step_cost.observe(shape, measured_ms)
         self.step_stats.record(sched_out.prefill_cap, shape, predicted_ms, measured_ms)
         outputs = []

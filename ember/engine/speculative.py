@@ -22,8 +22,7 @@ Proposers (behind `Proposer.propose`):
 The adaptive mode keeps, per request, how many drafts to propose: all accepted doubles
 it (up to `num_speculative_tokens`), none accepted halves it; at 0 the request decodes
 without drafts for a while (8 steps, doubling up to 64 each time it falls back to 0),
-then tries one draft again. And per batch size it compares the time per output token of
-steps with drafts and without (`CostGuard`), and drafts only where that pays.
+then tries one draft again.
 """
 
 from __future__ import annotations
@@ -166,57 +165,9 @@ class _Budget:
     next_cooldown: int = COOLDOWN_STEPS[0]
 
 
-@dataclass
-class _Costs:
-    """Milliseconds per output token of decode-only steps at one batch size (averages)."""
-
-    drafted: float | None = None
-    plain: float | None = None
-    steps: int = 0
-
-
-class CostGuard:
-    """Whether drafting pays at a batch size: the time per output token of decode-only
-    steps with drafts against without, each an exponential average, per batch size
-    rounded up to a power of two. Drafts cost compute that a batch of several sequences
-    may not have to spare (a draft model's forward, verification rows), so where they
-    lose, steps go without them; the slower kind still runs every PROBE_EVERY-th step,
-    so that a change shows. The first step at a size runs without."""
-
-    PROBE_EVERY = 16
-    WEIGHT = 0.2  # of the newest step in the averages
-
-    def __init__(self) -> None:
-        self._sizes: dict[int, _Costs] = {}
-
-    def allow(self, num_seqs: int) -> bool:
-        """Whether this step, of `num_seqs` decoding sequences, drafts."""
-        costs = self._costs(num_seqs)
-        costs.steps += 1
-        if costs.plain is None:
-            return False
-        if costs.drafted is None:
-            return True
-        probe = costs.steps % self.PROBE_EVERY == 0
-        return (costs.drafted <= costs.plain) != probe
-
-    def observe(self, num_seqs: int, drafted: bool, ms: float, num_tokens: int) -> None:
-        """A decode-only step's time and the tokens it output."""
-        costs, per_token = self._costs(num_seqs), ms / max(num_tokens, 1)
-        old = costs.drafted if drafted else costs.plain
-        new = per_token if old is None else old + self.WEIGHT * (per_token - old)
-        if drafted:
-            costs.drafted = new
-        else:
-            costs.plain = new
-
-    def _costs(self, num_seqs: int) -> _Costs:
-        return self._sizes.setdefault(max(num_seqs - 1, 0).bit_length(), _Costs())
-
-
 class Speculator:
     """Decides which requests get drafts and how many, asks the proposer, and learns
-    from what the sampler accepted (and, adaptive, from how long steps took)."""
+    from what the sampler accepted."""
 
     def __init__(self, proposer: Proposer, num_tokens: int, adaptive: bool = True) -> None:
         if num_tokens < 1:
@@ -225,13 +176,10 @@ class Speculator:
         self.num_tokens = num_tokens
         self.adaptive = adaptive
         self.stats = SpecStats()
-        self.guard = CostGuard()
         self._budgets: weakref.WeakKeyDictionary[Request, _Budget] = weakref.WeakKeyDictionary()
 
     def propose(self, requests: Sequence[Request], max_model_len: int) -> dict[str, list[int]]:
         """Drafts for those of `requests` (running, decoding) that take them now."""
-        if self.adaptive and requests and not self.guard.allow(len(requests)):
-            return {}
         chosen, ks = [], []
         for request in requests:
             k = self._k(request, max_model_len)
@@ -267,11 +215,6 @@ class Speculator:
         if budget is None:
             budget = self._budgets[request] = _Budget(self.num_tokens)
         return budget
-
-    def observe_step(self, num_seqs: int, drafted: bool, ms: float, num_tokens: int) -> None:
-        """A decode-only step of `num_seqs` sequences took `ms` and output `num_tokens`."""
-        if self.adaptive:
-            self.guard.observe(num_seqs, drafted, ms, num_tokens)
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """What the verification of `num_drafts` drafts of `request` kept."""
