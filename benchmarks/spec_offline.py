@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["none", "ngram"])
     p.add_argument("--kind", nargs="+", default=["edit", "chat"])
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--disable-by-batch-size", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
@@ -69,11 +70,16 @@ def main() -> None:
     llm = LLM(
         args.model, enable_prefix_caching=False, kv_cache_memory=2 << 30, max_model_len=4096,
         num_speculative_tokens=args.num_speculative_tokens, **(draft if args.draft_model else {}),
+        speculative_disable_by_batch_size=args.disable_by_batch_size,
     )  # fmt: skip
     core = llm.engine.core
     speculators = {
         "none": None,
-        "ngram": Speculator(NgramProposer(), args.num_speculative_tokens),
+        "ngram": Speculator(
+            NgramProposer(),
+            args.num_speculative_tokens,
+            disable_by_batch_size=args.disable_by_batch_size,
+        ),  # fmt: skip
         "draft": core.speculator,
     }
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -154,6 +154,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "drafts are rejected gets fewer, down to none for a while)",
     )
     parser.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="no drafts in a step where at least this many sequences decode (drafts cost "
+        "compute a larger batch may not have to spare: a draft model, verification rows)",
+    )
+    parser.add_argument(
         "--prompt-lookup-min",
         type=int,
         default=d.prompt_lookup_min,
@@ -281,6 +288,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_adaptive=not args.no_speculative_adaptive,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         attention_backend=args.attention_backend,

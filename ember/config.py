@@ -344,6 +344,8 @@ class EngineConfig:
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
     speculative_adaptive: bool = True
+    # no drafts in a step where at least this many sequences decode (None: always drafts)
+    speculative_disable_by_batch_size: int | None = None
     # ngram: the shortest and longest suffix looked up in the request's earlier tokens
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -354,6 +356,8 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("min_prefill_tokens", self.min_prefill_tokens)
         _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.speculative_disable_by_batch_size is not None:
+            _positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):
             raise ValueError(
                 f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None); "

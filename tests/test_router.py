@@ -158,7 +158,8 @@ def test_router_keeps_sessions_home_and_survives_a_dead_worker(cluster):
         ["--no-prefix-caching", "--no-gguf-blocks", "--kv-checksum"],
         ["--dtype", "bfloat16", "--max-num-batched-tokens", "256", "--kv-cache-memory", "64M"],
         ["--speculative-method", "ngram", "--num-speculative-tokens", "6",
-         "--no-speculative-adaptive", "--prompt-lookup-min", "1", "--prompt-lookup-max", "3"],
+         "--no-speculative-adaptive", "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
+         "--speculative-disable-by-batch-size", "4"],
     ],
 )  # fmt: skip
 def test_ember_up_hands_each_engine_option_to_its_workers(flags):

@@ -113,6 +113,15 @@ def test_drafts_stop_at_max_tokens_and_the_context():
     assert speculator.propose([request], 4) == {}  # the context's last token: the target's
 
 
+def test_no_drafts_from_the_batch_size_that_disables_them():
+    speculator = Speculator(Echo(), num_tokens=2, adaptive=False, disable_by_batch_size=3)
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=40), 40) for i in range(3)]
+    assert list(speculator.propose(requests[:2], 4096)) == ["r0", "r1"]
+    assert speculator.propose(requests, 4096) == {}
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        EngineConfig(speculative_method="ngram", speculative_disable_by_batch_size=0)
+
+
 class FirstOnly:
     """A grammar that takes one token of any draft."""
 

@@ -169,17 +169,28 @@ class Speculator:
     """Decides which requests get drafts and how many, asks the proposer, and learns
     from what the sampler accepted."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, adaptive: bool = True) -> None:
+    def __init__(
+        self,
+        proposer: Proposer,
+        num_tokens: int,
+        adaptive: bool = True,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
         if num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.adaptive = adaptive
+        self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats()
         self._budgets: weakref.WeakKeyDictionary[Request, _Budget] = weakref.WeakKeyDictionary()
 
     def propose(self, requests: Sequence[Request], max_model_len: int) -> dict[str, list[int]]:
-        """Drafts for those of `requests` (running, decoding) that take them now."""
+        """Drafts for those of `requests` (running, decoding) that take them now: none
+        where they are `disable_by_batch_size` or more."""
+        limit = self.disable_by_batch_size
+        if limit is not None and len(requests) >= limit:
+            return {}
         chosen, ks = [], []
         for request in requests:
             k = self._k(request, max_model_len)
@@ -250,4 +261,9 @@ def make_speculator(
         proposer = DraftModelProposer(config, model_config, max_model_len, num_blocks)
     else:
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    return Speculator(proposer, config.num_speculative_tokens, config.speculative_adaptive)
+    return Speculator(
+        proposer,
+        config.num_speculative_tokens,
+        config.speculative_adaptive,
+        config.speculative_disable_by_batch_size,
+    )
