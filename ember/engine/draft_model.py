@@ -129,7 +129,8 @@ class DraftModelProposer(Proposer):
             agree += 1
         # at least the last token is computed again: its logits give the first draft
         mirror.num_computed_tokens = min(mirror.num_computed_tokens, agree, len(target) - 1)
-        mirror.token_ids = list(target)
+        del mirror.token_ids[agree:]  # the drafts the target did not take
+        mirror.token_ids += target[agree:]  # and the target's new tokens: not a whole copy
         # the blocks of the target's tokens (agreed, so never written again) are findable:
         # the next turn of a conversation finds its prompt's draft KV here
         if mirror.num_computed_tokens:

@@ -79,7 +79,8 @@ class NgramProposer(Proposer):
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """The `k` tokens after the most recent earlier occurrence of the longest suffix
-        of `tokens` of `min_n` to `max_n` tokens (fewer near the end; none if no match)."""
+        of `tokens` of `min_n` to `max_n` tokens, repeating them where they reach the end
+        (none if no suffix matches)."""
         n = len(tokens)
         if n <= self.min_n:
             return []
