@@ -133,13 +133,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=SPECULATIVE_METHODS,
         help="speculative decoding: propose draft tokens and verify them in one step "
         "(ngram: prompt lookup in the request's own tokens; draft: a smaller model, "
-        "--speculative-model); default off",
+        "--speculative-model; eagle3: an EAGLE-3 head, --speculative-model; mtp: the "
+        "model's own multi-token-prediction layer, DeepSeek-V3 / Kimi K2); default off",
     )
     parser.add_argument(
         "--speculative-model",
         default=None,
         help="--speculative-method draft: the draft model (an alias, a Hugging Face "
-        "directory or a GGUF file) with this model's tokenizer",
+        "directory or a GGUF file) with this model's tokenizer; eagle3: the EAGLE-3 head's "
+        "directory (config.json and safetensors, as SGLang and vLLM load them)",
     )
     parser.add_argument(
         "--num-speculative-tokens",

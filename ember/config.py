@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 
 # speculative decoding's proposers (ember.engine.speculative.METHODS)
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle3", "mtp")
+# methods whose speculative_model is the drafter (eagle3: a head over the model's states)
+SPECULATIVE_MODEL_METHODS = ("draft", "eagle3")
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -150,6 +152,7 @@ class ModelConfig:
     # DeepSeek-V3's multi-token-prediction layers after the last decoder layer (loaded and
     # kept for speculative decoding; plain decoding does not run them)
     num_mtp_layers: int = 0
+    eagle: EagleConfig | None = None  # an EAGLE-3 head's own settings
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -193,10 +196,55 @@ class ModelConfig:
             if arch in MLA_ARCHITECTURES
             else 0,
             moe=_moe_config(arch, cfg),
+            eagle=_eagle_config(cfg) if arch in EAGLE3_ARCHITECTURES else None,
         )
 
 
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+# EAGLE-3 heads: the name the EAGLE authors' and SGLang's checkpoints give, and vLLM's
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """An EAGLE-3 head: one decoder layer over [embedding of the next token | the
+    target's hidden states at `aux_layers`, fused by `fc`], with an output head over a
+    draft vocabulary of its own (mapped to the target's by the checkpoint's `d2t`)."""
+
+    draft_vocab_size: int
+    target_hidden_size: int
+    # the target's residual stream before these layers (None: 2, N // 2 and N - 3 of
+    # a target of N layers, what EAGLE-3 was trained on by default)
+    aux_layers: tuple[int, ...] | None
+    norm_before_residual: bool  # the residual is the normed hidden state, not the raw one
+
+    def target_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.aux_layers or (2, num_layers // 2, num_layers - 3)
+
+
+# variants of the format ember does not read (they change the head's arithmetic)
+_EAGLE_UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def _eagle_config(cfg: dict[str, Any]) -> EagleConfig:
+    eagle = cfg.get("eagle_config") or {}
+    for key in _EAGLE_UNSUPPORTED:
+        if eagle.get(key, cfg.get(key)):
+            raise ValueError(f"EAGLE-3 head: {key!r} is not supported")
+    if eagle.get("use_aux_hidden_state") is False:
+        raise ValueError(
+            "EAGLE-3 head: use_aux_hidden_state false (an EAGLE-1 head) is not supported"
+        )
+    layers = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    hidden = int(cfg["hidden_size"])
+    return EagleConfig(
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+        target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+        aux_layers=tuple(int(i) for i in layers) if layers else None,
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+    )
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -338,8 +386,9 @@ class EngineConfig:
     kv_save: str = "computed"
     # speculative decoding (ember.engine.speculative): a proposer of draft tokens (None:
     # off; "ngram": prompt lookup; "draft": speculative_model, a smaller model with the
-    # same tokenizer), at most num_speculative_tokens per request and step, fewer (down
-    # to none for a while) where they are not accepted unless not adaptive
+    # same tokenizer; "eagle3": speculative_model, an EAGLE-3 head; "mtp": the model's
+    # own multi-token-prediction layer), at most num_speculative_tokens per request and
+    # step, fewer (down to none for a while) where they are not accepted unless not adaptive
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
@@ -363,10 +412,12 @@ class EngineConfig:
                 f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None); "
                 f"got {self.speculative_method!r}"
             )
-        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+        if (self.speculative_method in SPECULATIVE_MODEL_METHODS) != (
+            self.speculative_model is not None
+        ):
             raise ValueError(
-                "speculative_model names the draft model of speculative_method 'draft', and "
-                "that method needs one"
+                "speculative_model names the drafter of speculative_method 'draft' (a smaller "
+                "model) or 'eagle3' (an EAGLE-3 head), and those methods need one"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

@@ -160,6 +160,25 @@ def test_a_speculating_decode_worker_matches_a_mixed_worker(
     settle(prefill_core, decode_core)
 
 
+def test_an_eagle3_decode_worker_drafts_after_a_handover(
+    checkpoint, prefill_core, reference, request, tmp_path
+):
+    """The head never saw the prompt (prefilled elsewhere): it drafts from the decode
+    worker's own steps on, and the output is the mixed worker's."""
+    from test_hidden_drafters import write_eagle3
+
+    head = write_eagle3(tmp_path / "eagle3", layers=[0, 1, 2])  # the tiny model's 2 layers
+    decode_core = _decode_core(
+        checkpoint, request, speculative_method="eagle3", speculative_model=str(head),
+        speculative_adaptive=False,
+    )  # fmt: skip
+    remote = prefill(prefill_core, "p")
+    assert decode(decode_core, "d", remote) == reference
+    assert decode_core.stats().spec_decode["num_drafts"] >= 2
+    assert not decode_core.speculator.proposer._pending
+    settle(prefill_core, decode_core)
+
+
 @pytest.mark.parametrize("fault", ["fail", "drop", "corrupt"])
 def test_a_failed_transfer_is_recomputed_and_frees_every_block(
     fault, checkpoint, prefill_core, reference, request

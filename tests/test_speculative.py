@@ -471,13 +471,13 @@ def _run(path, prompts, params, oracle=None, **options):
     return outs, core
 
 
-def _assert_same(want, got) -> None:
+def _assert_same(want, got, tol: float = 1e-5) -> None:
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
         for a, b in zip(w.outputs[0].logprobs or [], g.outputs[0].logprobs or [], strict=True):
             assert list(b) == list(a)
-            assert list(b.values()) == pytest.approx(list(a.values()), abs=1e-5)
+            assert list(b.values()) == pytest.approx(list(a.values()), abs=tol)
 
 
 @pytest.mark.parametrize(

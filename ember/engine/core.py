@@ -73,7 +73,7 @@ class EngineCore:
             min_prefill_tokens=config.min_prefill_tokens,
         )
         self.step_stats = StepStats()
-        self.speculator = make_speculator(config, model_config, self.max_model_len, num_blocks)
+        self.speculator = make_speculator(config, self.runner, self.kv_cache, self.max_model_len)
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -256,6 +256,9 @@ class EngineCore:
         self._observe_drafts(sched_out, sampled)
         updated, finished = self.scheduler.update(sched_out, sampled)
         if self.speculator is not None:
+            for sched in sched_out.scheduled:
+                if (features := step.features.get(sched.request.request_id)) is not None:
+                    self.speculator.proposer.take_features(sched.request, *features)
             for request in finished:
                 self.speculator.proposer.forget(request)
         measured_ms = (time.perf_counter() - start) * 1e3

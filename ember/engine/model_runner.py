@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,9 @@ class StepOutput:
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]] | None]
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # what a drafter reads of the target (ModelRunner.features): each scheduled request's
+    # rows of it, from the first position this step computed (by request id)
+    features: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -49,7 +53,9 @@ class ModelRunner:
         model_config: ModelConfig,
         checkpoint: Checkpoint,
         max_model_len: int,
+        model_cls: type[torch.nn.Module] | None = None,
     ) -> None:
+        """`model_cls`: the module to build (a drafter's head), else the architecture's."""
         self.config = engine_config
         self.model_config = model_config
         self.device = engine_config.resolve_device()
@@ -61,14 +67,17 @@ class ModelRunner:
             self.dtype = torch.float32
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
-        model_cls = get_model_class(model_config.architecture)
+        model_cls = model_cls or get_model_class(model_config.architecture)
         self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(model_config)
         self.model = self._load_model(model_cls, checkpoint, max_model_len)
-        layers = getattr(self.model.model, "layers", [])
+        layers = getattr(getattr(self.model, "model", None), "layers", [])
         self.moe_layers = [(i, x.mlp) for i, x in enumerate(layers) if isinstance(x.mlp, SparseMoE)]
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shm_path: str | None = None
+        # set by a drafter that reads the target's hidden states (EAGLE-3, MTP): from a
+        # step's hidden states [rows, hidden] (before the final norm), what it reads
+        self.features: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _load_model(self, model_cls, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
         packs = can_pack_for_cpu(self.device, self.dtype)
@@ -93,7 +102,11 @@ class ModelRunner:
         model.load_weights(checkpoint.weights())
         startup.mark("weights")
         if packs:
-            if self.config.gguf_blocks and self.weight_dtype == torch.float32:
+            if (
+                checkpoint.is_gguf
+                and self.config.gguf_blocks
+                and self.weight_dtype == torch.float32
+            ):
                 model.load_gguf_blocks(checkpoint.gguf_blocks())
             model.pack_for_cpu(bf16_prefill, self.weight_dtype)
             _log_block_decode(model)
@@ -185,24 +198,39 @@ class ModelRunner:
         batch += [s for s in out.scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta, sample_idx = self._prepare(batch, num_decodes)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        prompt_logprobs = {}
+        result = StepOutput([], [], [])
         if any(s.request.needs_prompt_logprobs for s in batch):
-            prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
+            result.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
+        if self.features is not None:
+            result.features = self._features(batch, hidden)
         sampling = [s for s in batch if s.samples]
-        ids = [s.request.request_id for s in sampling]
         if not sampling:
-            return StepOutput([], [], [], prompt_logprobs)
+            return result
+        result.request_ids = [s.request.request_id for s in sampling]
         requests = [s.request for s in sampling]
         if any(s.spec_token_ids for s in sampling):
             logits = self._verify_logits(hidden[sample_idx], len(sampling))
-            tokens, logprobs = self.sampler.verify(
-                logits, requests, [s.spec_token_ids for s in sampling]
-            )
-            return StepOutput(ids, tokens, logprobs, prompt_logprobs)
+            drafts = [s.spec_token_ids for s in sampling]
+            result.token_ids, result.logprobs = self.sampler.verify(logits, requests, drafts)
+            return result
         out = self.sampler(self.model.compute_logits(hidden[sample_idx]), requests)
-        tokens = [[t] for t in out.token_ids]
-        logprobs = [None if e is None else [e] for e in out.logprobs]
-        return StepOutput(ids, tokens, logprobs, prompt_logprobs)
+        result.token_ids = [[t] for t in out.token_ids]
+        result.logprobs = [None if e is None else [e] for e in out.logprobs]
+        return result
+
+    def _features(self, batch: list[ScheduledRequest], hidden: torch.Tensor):
+        """Each request's rows of `self.features(hidden)`, in `_prepare`'s row order, with
+        the position of its first row."""
+        features = self.features(hidden)
+        out, row = {}, 0
+        for sched in batch:
+            num = sched.num_new_tokens + len(sched.spec_token_ids)
+            out[sched.request.request_id] = (
+                sched.request.num_computed_tokens,
+                features[row : row + num].clone(),
+            )
+            row += num
+        return out
 
     def _verify_logits(self, hidden: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """Logits of verification rows in the precision their sequences' decodes would
@@ -214,60 +242,79 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledRequest], num_decodes: int):
         """Input ids, positions, attention metadata and the rows to sample, for a batch
-        whose first `num_decodes` entries compute one known token each, and their drafts
-        (rows at the positions after it, each attending to the context up to itself)."""
-        bs, device = self.block_size, self.device
-        decodes, prefills = batch[:num_decodes], batch[num_decodes:]
-        input_ids, positions, slots, sample_idx, rows = [], [], [], [], []
-        for sched in decodes:
+        whose first `num_decodes` entries compute one known token each (and their drafts)."""
+        rows = []
+        for i, sched in enumerate(batch):
             start = sched.request.num_computed_tokens
-            tokens = [sched.request.token_ids[start], *sched.spec_token_ids]
-            span = range(start, start + len(tokens))
-            if sched.samples:
-                sample_idx += range(len(input_ids), len(input_ids) + len(tokens))
-            input_ids += tokens
-            positions += span
-            slots += [sched.block_ids[p // bs] * bs + p % bs for p in span]
-            rows += [(sched.block_ids, p + 1) for p in span]
-        prefill_pos, prefill_slots, prefill_seqs = [], [], []
-        for sched in prefills:
-            start, num = sched.request.num_computed_tokens, sched.num_new_tokens
-            input_ids += sched.request.token_ids[start : start + num]
-            pos = torch.arange(start, start + num)
-            table = torch.tensor(sched.block_ids)
-            prefill_pos.append(pos)
-            prefill_slots.append(table[pos // bs] * bs + pos % bs)
-            prefill_seqs.append(
-                PrefillSeq(len(input_ids) - num, num, start + num, table.to(device))
-            )
-            if sched.samples:
-                sample_idx.append(len(input_ids) - 1)
-        table, mask, lens = self._decode_tables(rows)
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots]).to(
-                device
-            ),
-            num_decodes=len(rows),
-            num_decode_seqs=len(decodes),
-            decode_block_table=table,
-            decode_mask=mask,
-            decode_context_lens=lens,
-            prefills=prefill_seqs,
-        )
-        positions_t = torch.cat([torch.tensor(positions, dtype=torch.long), *prefill_pos])
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        return ids, positions_t.to(device), meta, torch.tensor(sample_idx, device=device)
+            if i < num_decodes:
+                tokens = [sched.request.token_ids[start], *sched.spec_token_ids]
+            else:
+                tokens = sched.request.token_ids[start : start + sched.num_new_tokens]
+            rows.append(Rows(tokens, start, sched.block_ids, sched.samples))
+        return batch_inputs(rows[:num_decodes], rows[num_decodes:], self.block_size, self.device)
 
-    def _decode_tables(self, rows: list[tuple[list[int], int]]):
-        """Block table, mask and context length of each decode row (block ids, context)."""
-        if not rows:
-            return None, None, None
-        width = max(len(ids) for ids, _ in rows)
-        table = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
-        context = torch.tensor([n for _, n in rows])
-        mask = torch.arange(width * self.block_size).unsqueeze(0) < context.unsqueeze(1)
-        device = self.device
-        return table.to(device), mask[:, None, None, :].to(device), context.to(device)
+
+@dataclass
+class Rows:
+    """One sequence's tokens in a step: `tokens` at positions `start`, `start + 1`, ...,
+    with the KV blocks `block_ids`; `samples`: logits wanted (every row of a decode's,
+    the last of a prefill's)."""
+
+    tokens: list[int]
+    start: int
+    block_ids: list[int]
+    samples: bool = True
+
+
+def batch_inputs(decodes: list[Rows], prefills: list[Rows], block_size: int, device):
+    """Input ids, positions, attention metadata and the rows to sample of a step.
+    A decode's rows (its known token and its drafts) each attend to the context up to
+    themselves; a prefill's are one sequence of the paged prefill."""
+    bs = block_size
+    input_ids, positions, slots, sample_idx, rows = [], [], [], [], []
+    for seq in decodes:
+        span = range(seq.start, seq.start + len(seq.tokens))
+        if seq.samples:
+            sample_idx += range(len(input_ids), len(input_ids) + len(seq.tokens))
+        input_ids += seq.tokens
+        positions += span
+        slots += [seq.block_ids[p // bs] * bs + p % bs for p in span]
+        rows += [(seq.block_ids, p + 1) for p in span]
+    prefill_pos, prefill_slots, prefill_seqs = [], [], []
+    for seq in prefills:
+        start, num = seq.start, len(seq.tokens)
+        input_ids += seq.tokens
+        pos = torch.arange(start, start + num)
+        table = torch.tensor(seq.block_ids)
+        prefill_pos.append(pos)
+        prefill_slots.append(table[pos // bs] * bs + pos % bs)
+        prefill_seqs.append(PrefillSeq(len(input_ids) - num, num, start + num, table.to(device)))
+        if seq.samples:
+            sample_idx.append(len(input_ids) - 1)
+    table, mask, lens = _decode_tables(rows, block_size, device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots]).to(device),
+        num_decodes=len(rows),
+        num_decode_seqs=len(decodes),
+        decode_block_table=table,
+        decode_mask=mask,
+        decode_context_lens=lens,
+        prefills=prefill_seqs,
+    )
+    positions_t = torch.cat([torch.tensor(positions, dtype=torch.long), *prefill_pos])
+    ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+    return ids, positions_t.to(device), meta, torch.tensor(sample_idx, device=device)
+
+
+def _decode_tables(rows: list[tuple[list[int], int]], block_size: int, device):
+    """Block table, mask and context length of each decode row (block ids, context)."""
+    if not rows:
+        return None, None, None
+    width = max(len(ids) for ids, _ in rows)
+    table = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
+    context = torch.tensor([n for _, n in rows])
+    mask = torch.arange(width * block_size).unsqueeze(0) < context.unsqueeze(1)
+    return table.to(device), mask[:, None, None, :].to(device), context.to(device)
 
 
 def profile_batch(num_tokens: int, max_model_len: int, block_size: int, device: torch.device):

@@ -14,6 +14,8 @@ overwritten, and never enters the prefix cache.
 Proposers (behind `Proposer.propose`):
 - `draft` (ember.engine.draft_model): a smaller model with the same tokenizer, with its
   own paged KV cache, run K steps per verification;
+- `eagle3` and `mtp` (ember.engine.hidden_drafter): one layer over the target's hidden
+  states (an EAGLE-3 head; DeepSeek-V3's multi-token-prediction layer), run K times;
 - `ngram`: prompt lookup. The longest suffix of the request's tokens (between
   `min_n` and `max_n` tokens) that occurred before; the tokens that followed its most
   recent earlier occurrence are the drafts (where they run into the suffix itself, the
@@ -31,12 +33,18 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig
 from ember.engine.request import Request
+
+if TYPE_CHECKING:
+    import torch
+
+    from ember.engine.kv_cache import KVCacheManager
+    from ember.engine.model_runner import ModelRunner
 
 COOLDOWN_STEPS = (8, 64)  # steps without drafts after acceptance fell to 0: first, at most
 
@@ -51,6 +59,10 @@ class Proposer(ABC):
 
     def forget(self, request: Request) -> None:  # noqa: B027 - most proposers keep nothing
         """The request ended (finished or aborted): what the proposer keeps for it goes."""
+
+    def take_features(self, request: Request, start: int, rows: torch.Tensor) -> None:  # noqa: B027
+        """The target's `ModelRunner.features` rows of `request` from position `start`
+        (drafters that read the target's hidden states: ember.engine.hidden_drafter)."""
 
     def close(self) -> None:  # noqa: B027
         """Frees what the proposer holds (a draft model's KV cache)."""
@@ -250,16 +262,26 @@ class Speculator:
 
 
 def make_speculator(
-    config: EngineConfig, model_config: ModelConfig, max_model_len: int, num_blocks: int
+    config: EngineConfig, runner: ModelRunner, kv: KVCacheManager, max_model_len: int
 ) -> Speculator | None:
-    """The engine's speculator, or None when speculative decoding is off (the method
-    names were checked by EngineConfig); a draft model gets `num_blocks` KV blocks."""
-    if config.speculative_method is None:
+    """The engine's speculator over the target `runner` and its block manager `kv`, or
+    None when speculative decoding is off (the method names were checked by
+    EngineConfig); a draft model gets as many KV blocks as the target."""
+    method = config.speculative_method
+    if method is None:
         return None
-    if config.speculative_method == "draft":
+    if method == "draft":
         from ember.engine.draft_model import DraftModelProposer
 
-        proposer = DraftModelProposer(config, model_config, max_model_len, num_blocks)
+        proposer = DraftModelProposer(config, runner.model_config, max_model_len, kv.num_blocks)
+    elif method == "eagle3":
+        from ember.engine.hidden_drafter import eagle3_proposer
+
+        proposer = eagle3_proposer(config, runner, kv, max_model_len)
+    elif method == "mtp":
+        from ember.engine.hidden_drafter import mtp_proposer
+
+        proposer = mtp_proposer(runner, kv)
     else:
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return Speculator(

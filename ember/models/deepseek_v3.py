@@ -16,6 +16,7 @@ import logging
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MLAConfig, ModelConfig, yarn_mscale
@@ -112,6 +113,34 @@ class MultiTokenPredictor(nn.Module):
         self.eh_proj = Linear(2 * hidden, hidden)
         self.layer = DeepseekV3DecoderLayer(config, backend, index)
         self.shared_head_norm = RMSNorm(hidden, config.rms_norm_eps)
+
+
+class MTPDraftHead(nn.Module):
+    """Speculative decoding's drafter over a model's first MTP layer (ember.engine.
+    hidden_drafter): at position p it reads the next token's embedding and the model's
+    final (normed) hidden state at p, and predicts the token after next; drafting on, it
+    reads its own output before `shared_head.norm` (as DeepSeek-V3's MTP module chains)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM) -> None:
+        super().__init__()
+        self.target = [model]  # in a list: not a submodule of the head
+        self.mtp = model.mtp[0]
+
+    def combine(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's hidden states (before the final norm) -> what the MTP layer reads."""
+        return self.target[0].model.norm(hidden)
+
+    def forward(self, input_ids, positions, kv_caches, meta, hidden):
+        model, mtp, dtype = self.target[0].model, self.mtp, hidden.dtype
+        embeds = F.embedding(input_ids, model.embed_tokens.weight).to(dtype)
+        embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0)  # as DeepSeek trained it
+        x = mtp.eh_proj(torch.cat([mtp.enorm(embeds), mtp.hnorm(hidden)], dim=-1)).to(dtype)
+        cos_sin = model.rotary_emb.cos_sin(positions, dtype)
+        x, residual = mtp.layer(x, None, kv_caches[0], meta, cos_sin)
+        return (x + residual).to(dtype)
+
+    def draft_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.target[0].lm_head(self.mtp.shared_head_norm(prenorm)).argmax(dim=-1)
 
 
 # checkpoint names that are not this model's: a multimodal wrapper's vision parts, and

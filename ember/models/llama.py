@@ -128,19 +128,31 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
         self.fused_decode: FusedDecode | None = None  # set up by pack_for_cpu
         self.fused_decode_max_rows = 1 << 30  # BF16_MIN_ROWS - 1 under bf16_prefill
+        # EAGLE-3's drafter reads the residual stream before these layers (set by it)
+        self.capture_layers: frozenset[int] = frozenset()
+        self.captured: list[torch.Tensor] = []  # of the last forward, in layer order
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden = F.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        self.captured = []
         # else bf16, in the layers below; drafts' rows run as their sequence's decode would
         rows = meta.num_decode_seqs or hidden.shape[0]
         fused = rows <= self.fused_decode_max_rows
         if self.fused_decode is not None and not meta.prefills and fused:
-            return self.fused_decode(hidden, cos_sin, kv_caches, meta)
+            return self.fused_decode(hidden, cos_sin, kv_caches, meta, self._capture)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            self._capture(i, hidden, residual)
             hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+        self._capture(len(self.layers), hidden, residual)
         return hidden + residual
+
+    def _capture(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Keeps the residual stream before `layer` if asked for (a copy: the layers add
+        to the residual in place)."""
+        if layer in self.capture_layers:
+            self.captured.append(hidden.clone() if residual is None else hidden + residual)
 
 
 class FusedDecode:
@@ -165,16 +177,18 @@ class FusedDecode:
         packed = [lin.packed if lin.packed.dtype == lin.weight.dtype else None for lin in linears]
         return weights, packed, [lin.blocks for lin in linears], attn.qkv_proj.bias
 
-    def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata, capture):
         residual = hidden
         cos, sin = cos_sin
         for i, (weights, packed, blocks, qkv_bias) in enumerate(self.layers):
+            capture(i, hidden, residual if i else None)
             hidden = self.kernels.decode_layer(
                 hidden, residual, i == 0, weights, packed, blocks, qkv_bias, self.eps,
                 *self.shape, cos, sin, kv_caches[i][0], kv_caches[i][1], meta.slot_mapping,
                 meta.decode_block_table, meta.decode_context_lens, self.scale, PACKED_MIN_ROWS,
                 BLOCK_GEMM_MAX_ROWS,
             )  # fmt: skip
+        capture(len(self.layers), hidden, residual)
         return hidden + residual
 
 

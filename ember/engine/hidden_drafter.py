@@ -1,0 +1,215 @@
+"""Drafters that read the target's hidden states: `eagle3` (an EAGLE-3 head, its own
+checkpoint) and `mtp` (the model's own multi-token-prediction layer, DeepSeek-V3).
+
+A head at position p reads the token at p + 1 and a state of the target at p, and
+predicts the token at p + 2. So each target step hands the proposer its rows of what
+the head reads (`ModelRunner.features`: the head's `combine` of the target's hidden
+states), and a round of proposals for a request whose tokens are t[0..n-1], of which
+the target has computed n - 1, is:
+    catch up: one pass over the positions the target computed since the last round (the
+      first time, the whole prompt), token t[p + 1] and the target's state at p each;
+      its last row (position n - 2) yields the first draft
+    -> K - 1 passes of one row each, at n - 1, n, ...: the previous draft and the
+      head's own output at the position before, each yielding the next draft.
+Rows the target computed for drafts it then rejected are dropped; the head's KV at the
+positions it drafted on its own is overwritten by the next round's catch-up.
+
+The head's KV cache is one layer indexed by the target's block table (the same block
+ids, in tensors of its own), so it needs no block manager: blocks come and go with the
+target's, and a request that finds its prefix in the target's cache finds the head's KV
+of it there too. The slots of its own drafting positions are reserved in the target's
+block table ahead of the scheduler (they are the slots the drafts' verification uses).
+The head's KV of a block is not in the tiers or a PD handover: a block restored from
+there, or a prompt prefilled elsewhere, leaves the head's keys and values at those
+positions stale, which lowers acceptance, never correctness (the target verifies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.model_runner import ModelRunner, Rows, batch_inputs
+from ember.engine.request import Request
+from ember.engine.speculative import Proposer
+from ember.kv import buffers as kv_buffers
+
+logger = logging.getLogger("ember.engine")
+
+
+class HiddenStateProposer(Proposer):
+    """Drafts greedily with `head` (ember.models.eagle3.Eagle3ForCausalLM or
+    ember.models.deepseek_v3.MTPDraftHead) over its one-layer KV cache `kv_caches`."""
+
+    def __init__(
+        self,
+        head: nn.Module,
+        kv: KVCacheManager,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        on_close=None,
+    ) -> None:
+        self.head, self.kv, self.kv_caches, self.device = head, kv, kv_caches, device
+        self._on_close = on_close
+        # the target's rows not yet read by the head: (first position, rows) in order
+        self._pending: weakref.WeakKeyDictionary[Request, list[tuple[int, torch.Tensor]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.num_tokens_computed = 0  # rows the head has run, since start
+
+    def close(self) -> None:
+        self.kv_caches = []
+        if self._on_close is not None:
+            self._on_close()
+
+    def forget(self, request: Request) -> None:
+        self._pending.pop(request, None)
+
+    def take_features(self, request: Request, start: int, rows: torch.Tensor) -> None:
+        pending = self._pending.setdefault(request, [])
+        # rows from `start` on replace any pending there (computed again: preemption)
+        while pending and pending[-1][0] >= start:
+            pending.pop()
+        if pending:
+            first, last = pending[-1]
+            pending[-1] = (first, last[: start - first])
+        pending.append((start, rows))
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        decodes, prefills = [], []  # the catch-up pass: (request, k, Rows, hidden)
+        for request, k in zip(requests, num_tokens, strict=True):
+            entry = self._catch_up(request, k) if k > 0 else None
+            if entry is not None:
+                (decodes if len(entry[2].tokens) == 1 else prefills).append(entry)
+        batch = decodes + prefills
+        if not batch:
+            return [[] for _ in requests]
+        hidden = torch.cat([entry[3] for entry in batch])
+        rows = [entry[2] for entry in batch]
+        last = self._run(rows[: len(decodes)], rows[len(decodes) :], hidden)
+        step = 1
+        while True:
+            tokens = self.head.draft_tokens(last).tolist()
+            for (request, _, _, _), token in zip(batch, tokens, strict=True):
+                drafts[request.request_id].append(token)
+            keep = [i for i, entry in enumerate(batch) if entry[1] > step]
+            if not keep:
+                break
+            batch, last = [batch[i] for i in keep], last[keep]
+            # the next draft's row: the one just drafted, after the last row
+            rows = [
+                Rows([tokens[i]], request.num_computed_tokens - 1 + step, seq.block_ids)
+                for i, (request, _, seq, _) in zip(keep, batch, strict=True)
+            ]
+            last = self._run(rows, [], last)
+            step += 1
+        return [drafts[r.request_id] for r in requests]
+
+    def _catch_up(self, request: Request, k: int):
+        """(request, drafts wanted, the catch-up rows, the target's states for them), or
+        None when the target computed nothing the head has not read (no drafts then)."""
+        end = request.num_computed_tokens  # the target's states from here on were drafts
+        run: list[torch.Tensor] = []  # the last contiguous run of rows before `end`
+        start = None
+        for first, rows in self._pending.pop(request, []):
+            rows = rows[: max(end - first, 0)]
+            if not len(rows):
+                continue
+            if start is None or first != start + sum(len(r) for r in run):
+                start, run = first, []  # a gap (states the target never handed over)
+            run.append(rows)
+        if not run:
+            return None
+        hidden = torch.cat(run)
+        # drafting on past the known tokens takes slots beyond them; with none free,
+        # one draft (the catch-up's own row needs none)
+        if k > 1 and self.kv.allocate_slots(request, 0, cache=False, num_lookahead=k - 1) is None:
+            k = 1
+        tokens = request.token_ids[start + 1 : end + 1]
+        seq = Rows(tokens, start, self.kv.block_ids(request.request_id))
+        return request, k, seq, hidden
+
+    def _run(self, decodes: list[Rows], prefills: list[Rows], hidden: torch.Tensor):
+        """The head's output (before its norm) at each sequence's last row."""
+        ids, positions, meta, sample_idx = batch_inputs(
+            decodes, prefills, self.kv.block_size, self.device
+        )
+        self.num_tokens_computed += len(ids)
+        out = self.head(ids, positions, self.kv_caches, meta, hidden)
+        return out[sample_idx]
+
+
+def eagle3_proposer(
+    config: EngineConfig, target: ModelRunner, kv: KVCacheManager, max_model_len: int
+) -> HiddenStateProposer:
+    """An EAGLE-3 head from `config.speculative_model` over `target`'s hidden states."""
+    from ember.loader.checkpoint import open_checkpoint
+    from ember.loader.default_models import resolve_model
+    from ember.models.eagle3 import Eagle3ForCausalLM
+    from ember.models.llama import LlamaModel
+
+    checkpoint = open_checkpoint(resolve_model(config.speculative_model))
+    head_config = ModelConfig.from_hf(checkpoint.hf_config)
+    model = target.model_config
+    if head_config.eagle is None:
+        raise ValueError(
+            f"speculative_model {config.speculative_model!r} is not an EAGLE-3 head "
+            f"(architectures {head_config.architecture!r})"
+        )
+    stack = getattr(target.model, "model", None)
+    if not isinstance(stack, LlamaModel):
+        raise ValueError(f"speculative_method 'eagle3' does not support {model.architecture}")
+    layers = head_config.eagle.target_layers(model.num_hidden_layers)
+    if head_config.vocab_size != model.vocab_size or head_config.hidden_size != model.hidden_size:
+        raise ValueError(
+            f"speculative_model: the EAGLE-3 head is for a model with a vocabulary of "
+            f"{head_config.vocab_size} and hidden size {head_config.hidden_size}; this one "
+            f"has {model.vocab_size} and {model.hidden_size}"
+        )
+    if head_config.eagle.target_hidden_size != model.hidden_size or not all(
+        0 <= i <= model.num_hidden_layers for i in layers
+    ):
+        raise ValueError(
+            f"speculative_model: the EAGLE-3 head reads layers {list(layers)} of hidden size "
+            f"{head_config.eagle.target_hidden_size}; the model has {model.num_hidden_layers} "
+            f"layers of {model.hidden_size}"
+        )
+    head_engine = dataclasses.replace(
+        config, model=config.speculative_model, speculative_method=None,
+        speculative_model=None, kv_cache_memory=None, kv_role="mixed",
+    )  # fmt: skip
+    runner = ModelRunner(head_engine, head_config, checkpoint, max_model_len, Eagle3ForCausalLM)
+    head = runner.model
+    head.share_embedding(stack.embed_tokens.weight)
+    runner.allocate_kv_cache(kv.num_blocks)
+    stack.capture_layers = frozenset(layers)
+    target.features = lambda _: head.combine(torch.cat(stack.captured, dim=-1))
+    logger.info("EAGLE-3 head %s over layers %s", config.speculative_model, sorted(layers))
+    return HiddenStateProposer(head, kv, runner.kv_caches, runner.device, runner.free_kv_cache)
+
+
+def mtp_proposer(target: ModelRunner, kv: KVCacheManager) -> HiddenStateProposer:
+    """The target's first multi-token-prediction layer as the drafter."""
+    from ember.models.deepseek_v3 import MTPDraftHead
+
+    if not getattr(target.model, "mtp", None):
+        raise ValueError(
+            "speculative_method 'mtp' needs a model with multi-token-prediction layers "
+            "(DeepSeek-V3 or Kimi K2 checkpoints with num_nextn_predict_layers); "
+            f"{target.config.model} has none"
+        )
+    head = MTPDraftHead(target.model)
+    shape = target.kv_spec.shape(kv.num_blocks, target.block_size)
+    kv_caches, _ = kv_buffers.allocate(shape, 1, target.dtype, target.device, shm=False)
+    target.features = head.combine
+    logger.info("MTP drafter: the model's multi-token-prediction layer")
+    return HiddenStateProposer(head, kv, kv_caches, target.device)
