@@ -202,7 +202,9 @@ def test_eagle3_drafts_are_the_heads_and_greedy_output_is_unchanged(target, tmp_
     head = write_eagle3(tmp_path / "eagle3")
     prompts = _prompts()
     plain = LLM(str(path), **{**SMALL, **options}).generate(prompts, PARAMS)
+    # float32: on CPU the head's weights are otherwise bf16, and its drafts not the reference's
     spec = dict(speculative_method="eagle3", speculative_model=str(head), num_speculative_tokens=3)
+    spec.update(dtype="float32")
     llm = LLM(str(path), **{**SMALL, **options}, **spec, speculative_adaptive=False)
     reference = eagle_reference(model, load_file(head / "model.safetensors"), (2, 4, 5))
     core = check(llm, plain, prompts, reference)
@@ -220,7 +222,11 @@ def test_eagle3_head_options(target, tmp_path):
     head = write_eagle3(tmp_path / "own", layers=[1, 8], draft_vocab=VOCAB, own_embedding=True)
     prompts = _prompts()[:2]
     plain = LLM(str(path), **SMALL).generate(prompts, PARAMS[:2])
-    llm = LLM(str(path), **SMALL, speculative_method="eagle3", speculative_model=str(head))
+    llm = LLM(
+        str(path), **SMALL, speculative_method="eagle3", speculative_model=str(head),
+        dtype="float32",
+    )  # fmt: skip
+    assert llm.engine.core.speculator.proposer.head.lm_head.weight.dtype == torch.float32
     records = record_drafts(llm)
     got = llm.generate(prompts, PARAMS[:2])
     _assert_same(plain, got, 1e-4)

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
@@ -175,7 +176,8 @@ def test_an_eagle3_decode_worker_drafts_after_a_handover(
     remote = prefill(prefill_core, "p")
     assert decode(decode_core, "d", remote) == reference
     assert decode_core.stats().spec_decode["num_drafts"] >= 2
-    assert not decode_core.speculator.proposer._pending
+    proposer = decode_core.speculator.proposer
+    assert not proposer._pending and proposer.head.lm_head.weight.dtype == torch.bfloat16
     settle(prefill_core, decode_core)
 
 

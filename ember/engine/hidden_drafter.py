@@ -183,9 +183,12 @@ def eagle3_proposer(
             f"{head_config.eagle.target_hidden_size}; the model has {model.num_hidden_layers} "
             f"layers of {model.hidden_size}"
         )
+    # drafts need only be likely, not exact: on CPU the head's weights default to bf16
+    # (half the bytes each of its passes reads; its lm_head alone is most of them)
+    dtype = "bfloat16" if config.dtype == "auto" and target.device.type == "cpu" else config.dtype
     head_engine = dataclasses.replace(
         config, model=config.speculative_model, speculative_method=None,
-        speculative_model=None, kv_cache_memory=None, kv_role="mixed",
+        speculative_model=None, kv_cache_memory=None, kv_role="mixed", dtype=dtype,
     )  # fmt: skip
     runner = ModelRunner(head_engine, head_config, checkpoint, max_model_len, Eagle3ForCausalLM)
     head = runner.model
