@@ -23,7 +23,7 @@ from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend
 from ember.engine.kv_spec import KVCacheSpec
 from ember.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, new_param
-from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM, load_into
 
 
 class Eagle3DecoderLayer(LlamaDecoderLayer):
@@ -114,18 +114,8 @@ class Eagle3ForCausalLM(nn.Module):
                 self.d2t.copy_(tensor.to(torch.long))
                 loaded.add(name)
                 continue
-            target, shard = name, None
-            for part, (fused, index) in self.fused_params.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), index
-            if target not in params:
-                raise ValueError(f"EAGLE-3 head: checkpoint tensor {name!r} matches no parameter")
-            param = params[target]
-            tensor = tensor.to(param.dtype)
-            if shard is None:
-                param.weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard)
+            target, shard = LlamaForCausalLM._param_name(self, name)  # q/k/v, gate/up fused
+            load_into(params, target, shard, tensor, f"EAGLE-3 head: {name}")
             loaded.add(target)
         self.has_own_embedding = "embed_tokens.weight" in loaded
         needed = set(params) - {"embed_tokens.weight"}

@@ -192,6 +192,18 @@ class FusedDecode:
         return hidden + residual
 
 
+def load_into(params: dict, target: str, shard: int | None, tensor: torch.Tensor, name: str):
+    """Copies checkpoint tensor `name` into parameter `target` (part `shard` of a fused one)."""
+    if target not in params:
+        raise ValueError(f"checkpoint tensor {name!r} matches no parameter")
+    param = params[target]
+    tensor = tensor.to(param.dtype)
+    if shard is None:
+        param.weight_loader(param, tensor)
+    else:
+        param.weight_loader(param, tensor, shard)
+
+
 class LlamaForCausalLM(nn.Module):
     model_cls: type[nn.Module] = LlamaModel
     # checkpoint name part -> (fused parameter name part, shard index)
@@ -266,15 +278,7 @@ class LlamaForCausalLM(nn.Module):
             name = self._checkpoint_name(name)
             if name is None or experts.load(name, tensor):
                 continue
-            target, shard = self._param_name(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter")
-            param = params[target]
-            tensor = tensor.to(param.dtype)
-            if shard is None:
-                param.weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard)
+            load_into(params, *self._param_name(name), tensor, name)
             loaded.add(name)
         self._check_complete(params, loaded | experts.complete())
 
