@@ -345,3 +345,27 @@ def test_mtp_drafts_are_the_layers_and_greedy_output_is_unchanged(deepseek_mtp, 
     spec = dict(speculative_method="mtp", num_speculative_tokens=3, speculative_adaptive=False)
     llm = LLM(str(path), **{**SMALL, **options}, **spec)
     check(llm, plain, prompts, reference)
+
+
+def test_the_catch_up_takes_the_kept_rows_after_any_gap_and_recomputed_rows_replace():
+    from ember.engine.hidden_drafter import HiddenStateProposer
+    from ember.engine.kv_cache import KVCacheManager
+    from ember.engine.request import Request
+
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    proposer = HiddenStateProposer(None, kv, [], torch.device("cpu"))
+    request = Request("r", list(range(100, 120)), SamplingParams(max_tokens=8), 8)
+    kv.allocate_slots(request, 16)
+    request.num_computed_tokens = 14  # the target's states from 14 on were of drafts
+
+    def rows(first, last):  # a row's value: its position
+        return torch.arange(first, last, dtype=torch.float32)[:, None]
+
+    proposer.take_features(request, 0, rows(0, 6))
+    proposer.take_features(request, 8, rows(8, 12))  # 6 and 7 never handed over
+    proposer.take_features(request, 12, rows(12, 16))
+    proposer.take_features(request, 10, rows(10, 17) + 0.5)  # computed again from 10
+    _, k, seq, hidden = proposer._catch_up(request, 1)
+    assert (k, seq.start) == (1, 8) and seq.tokens == list(range(109, 115))
+    assert hidden[:, 0].tolist() == [8, 9, 10.5, 11.5, 12.5, 13.5]
+    assert proposer._catch_up(request, 1) is None  # all read

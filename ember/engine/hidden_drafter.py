@@ -119,14 +119,15 @@ class HiddenStateProposer(Proposer):
         None when the target computed nothing the head has not read (no drafts then)."""
         end = request.num_computed_tokens  # the target's states from here on were drafts
         run: list[torch.Tensor] = []  # the last contiguous run of rows before `end`
-        start = None
+        start = after = -1
         for first, rows in self._pending.pop(request, []):
             rows = rows[: max(end - first, 0)]
             if not len(rows):
                 continue
-            if start is None or first != start + sum(len(r) for r in run):
+            if first != after:
                 start, run = first, []  # a gap (states the target never handed over)
             run.append(rows)
+            after = first + len(rows)
         if not run:
             return None
         hidden = torch.cat(run)
