@@ -365,7 +365,7 @@ def test_the_catch_up_takes_the_kept_rows_after_any_gap_and_recomputed_rows_repl
     proposer.take_features(request, 8, rows(8, 12))  # 6 and 7 never handed over
     proposer.take_features(request, 12, rows(12, 16))
     proposer.take_features(request, 10, rows(10, 17) + 0.5)  # computed again from 10
-    _, k, seq, hidden = proposer._catch_up(request, 1)
-    assert (k, seq.start) == (1, 8) and seq.tokens == list(range(109, 115))
-    assert hidden[:, 0].tolist() == [8, 9, 10.5, 11.5, 12.5, 13.5]
+    entry = proposer._catch_up(request, 1)
+    assert (entry.k, entry.rows.start) == (1, 8) and entry.rows.tokens == list(range(109, 115))
+    assert entry.hidden[:, 0].tolist() == [8, 9, 10.5, 11.5, 12.5, 13.5]
     assert proposer._catch_up(request, 1) is None  # all read

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -62,7 +63,6 @@ class HiddenStateProposer(Proposer):
         self._pending: weakref.WeakKeyDictionary[Request, list[tuple[int, torch.Tensor]]] = (
             weakref.WeakKeyDictionary()
         )
-        self.num_tokens_computed = 0  # rows the head has run, since start
 
     def close(self) -> None:
         self.kv_caches = []
@@ -85,38 +85,40 @@ class HiddenStateProposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
-        decodes, prefills = [], []  # the catch-up pass: (request, k, Rows, hidden)
+        decodes, prefills = [], []  # the catch-up pass, one-row sequences first
         for request, k in zip(requests, num_tokens, strict=True):
             entry = self._catch_up(request, k) if k > 0 else None
             if entry is not None:
-                (decodes if len(entry[2].tokens) == 1 else prefills).append(entry)
+                (decodes if len(entry.rows.tokens) == 1 else prefills).append(entry)
         batch = decodes + prefills
         if not batch:
             return [[] for _ in requests]
-        hidden = torch.cat([entry[3] for entry in batch])
-        rows = [entry[2] for entry in batch]
+        hidden = torch.cat([entry.hidden for entry in batch])
+        rows = [entry.rows for entry in batch]
         last = self._run(rows[: len(decodes)], rows[len(decodes) :], hidden)
         step = 1
         while True:
             tokens = self.head.draft_tokens(last).tolist()
-            for (request, _, _, _), token in zip(batch, tokens, strict=True):
-                drafts[request.request_id].append(token)
-            keep = [i for i, entry in enumerate(batch) if entry[1] > step]
+            for entry, token in zip(batch, tokens, strict=True):
+                drafts[entry.request.request_id].append(token)
+            keep = [i for i, entry in enumerate(batch) if entry.k > step]
             if not keep:
                 break
             batch, last = [batch[i] for i in keep], last[keep]
             # the next draft's row: the one just drafted, after the last row
             rows = [
-                Rows([tokens[i]], request.num_computed_tokens - 1 + step, seq.block_ids)
-                for i, (request, _, seq, _) in zip(keep, batch, strict=True)
+                Rows(
+                    [tokens[i]], entry.request.num_computed_tokens - 1 + step, entry.rows.block_ids
+                )
+                for i, entry in zip(keep, batch, strict=True)
             ]
             last = self._run(rows, [], last)
             step += 1
         return [drafts[r.request_id] for r in requests]
 
-    def _catch_up(self, request: Request, k: int):
-        """(request, drafts wanted, the catch-up rows, the target's states for them), or
-        None when the target computed nothing the head has not read (no drafts then)."""
+    def _catch_up(self, request: Request, k: int) -> _CatchUp | None:
+        """The request's catch-up, or None when the target computed nothing the head
+        has not read (no drafts then)."""
         end = request.num_computed_tokens  # the target's states from here on were drafts
         run: list[torch.Tensor] = []  # the last contiguous run of rows before `end`
         start = after = -1
@@ -136,17 +138,28 @@ class HiddenStateProposer(Proposer):
         if k > 1 and self.kv.allocate_slots(request, 0, cache=False, num_lookahead=k - 1) is None:
             k = 1
         tokens = request.token_ids[start + 1 : end + 1]
-        seq = Rows(tokens, start, self.kv.block_ids(request.request_id))
-        return request, k, seq, hidden
+        return _CatchUp(
+            request, k, Rows(tokens, start, self.kv.block_ids(request.request_id)), hidden
+        )
 
     def _run(self, decodes: list[Rows], prefills: list[Rows], hidden: torch.Tensor):
         """The head's output (before its norm) at each sequence's last row."""
         ids, positions, meta, sample_idx = batch_inputs(
             decodes, prefills, self.kv.block_size, self.device
         )
-        self.num_tokens_computed += len(ids)
         out = self.head(ids, positions, self.kv_caches, meta, hidden)
         return out[sample_idx]
+
+
+@dataclass
+class _CatchUp:
+    """A request's catch-up pass: `k` drafts wanted, the rows (each the token after the
+    position) and the target's states at their positions."""
+
+    request: Request
+    k: int
+    rows: Rows
+    hidden: torch.Tensor
 
 
 def eagle3_proposer(
