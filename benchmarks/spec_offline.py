@@ -8,20 +8,24 @@ same prompts with each method in turn, the order rotating each round, at batch 1
 request at a time) and 4 at once: output tokens per second end to end (prefill
 included), drafts accepted, and whether every method's greedy output equals `none`'s.
 Prompts (`--kind`): `edit`, code that the reply must give back changed (a rename in
-one of ember's own source files: replies that quote their context), and `chat`, plain
-questions answered in prose.
+one of ember's own source files as of commit SOURCE: replies that quote their context),
+and `chat`, plain questions answered in prose. The adaptive mode plans each step's
+drafts by cost (ember.engine.spec_planner) unless `--no-plan` (per-request budgets only).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
 from pathlib import Path
 
 from ember import LLM, SamplingParams
+from ember.engine.spec_planner import DraftPlanner
 from ember.engine.speculative import NgramProposer, Speculator
 
 ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "84888d9"  # the source files the edits quote, as of this commit
 EDITS = [  # (file, lines, old name, new name)
     ("ember/engine/kv_cache.py", (37, 80), "hash_block", "block_digest"),
     ("ember/engine/step_cost.py", (1, 45), "StepShape", "StepWork"),
@@ -41,7 +45,11 @@ def prompts(kind: str) -> list[list[dict]]:
         return [[{"role": "user", "content": q}] for q in QUESTIONS]
     out = []
     for path, (first, last), old, new in EDITS:
-        code = "\n".join((ROOT / path).read_text().splitlines()[first - 1 : last])
+        text = subprocess.run(
+            ["git", "show", f"{SOURCE}:{path}"], cwd=ROOT, capture_output=True, text=True,
+            check=True,
+        ).stdout  # fmt: skip
+        code = "\n".join(text.splitlines()[first - 1 : last])
         ask = f"Rename `{old}` to `{new}` in this code and give back the whole code:\n\n"
         out.append([{"role": "user", "content": f"{ask}```python\n{code}\n```"}])
     return out
@@ -65,6 +73,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--no-plan", action="store_true", help="adaptive budgets without the plan")
     args = p.parse_args()
     draft = {"speculative_method": "draft", "speculative_model": args.draft_model}
     llm = LLM(
@@ -79,9 +88,14 @@ def main() -> None:
             NgramProposer(),
             args.num_speculative_tokens,
             disable_by_batch_size=args.disable_by_batch_size,
+            planner=DraftPlanner(core.step_cost),
         ),  # fmt: skip
         "draft": core.speculator,
     }
+    if args.no_plan:
+        for speculator in speculators.values():
+            if speculator is not None:
+                speculator.planner = None
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.chat(prompts("chat")[:1], SamplingParams(max_tokens=8))  # warm-up
     for round_ in range(args.rounds):

@@ -211,6 +211,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def every_draft(request, monkeypatch):
+    """The adaptive mode keeps every draft its per-request budgets allow, unless the test
+    is marked `plans_drafts`: tests of what drafts do run on random models, whose drafts
+    seldom pay for themselves, so the plan by cost would drop most of them (the plan has
+    tests of its own: tests/test_spec_planner.py)."""
+    if request.node.get_closest_marker("plans_drafts") is None:
+        from ember.engine.spec_planner import DraftPlanner
+
+        monkeypatch.setattr(DraftPlanner, "plan", lambda self, num, caps, acceptance: list(caps))
+
+
+@pytest.fixture
 def cpu_isa(monkeypatch):
     """`cpu_isa(name)` makes engines built afterwards in this test run the `name` build of
     ember's CPU kernels (as EMBER_CPU_ISA=name would); the next test gets the default."""

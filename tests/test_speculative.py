@@ -28,6 +28,8 @@ from ember.engine.structured_output import json_schema_grammar
 from ember.models.layers import cpu_has_bf16
 from server_utils import EmberServer
 
+pytestmark = pytest.mark.usefixtures("every_draft")
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 # -- the ngram proposer ----------------------------------------------------------------
@@ -566,14 +568,14 @@ def test_the_draft_model_finds_an_earlier_turns_kv_by_prefix(tiny_checkpoint):
     proposer = llm.engine.core.speculator.proposer
     first = _prompts()[2]
     reply = llm.generate([first], params)[0].outputs[0].token_ids
-    computed = proposer.num_tokens_computed
+    computed = proposer.num_rows
     assert computed >= len(first)
     # the next turn: the first turn's prompt and reply, and a new message; 3 tokens: the
     # draft model catches up once, after the first, and proposes one
     second = first + reply + _prompts()[1][:10]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     got = llm.generate([second], params)[0].outputs[0].token_ids
-    assert len(second) == 80 and proposer.num_tokens_computed - computed == 81 - 64  # 4 blocks
+    assert len(second) == 80 and proposer.num_rows - computed == 81 - 64  # 4 blocks
     assert got == LLM(path, **SMALL).generate([second], params)[0].outputs[0].token_ids
     assert proposer.kv.check_integrity()
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks

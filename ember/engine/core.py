@@ -73,7 +73,9 @@ class EngineCore:
             min_prefill_tokens=config.min_prefill_tokens,
         )
         self.step_stats = StepStats()
-        self.speculator = make_speculator(config, self.runner, self.kv_cache, self.max_model_len)
+        self.speculator = make_speculator(
+            config, self.runner, self.kv_cache, self.max_model_len, self.step_cost
+        )
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -241,8 +243,9 @@ class EngineCore:
         return self.connector.num_held > 0
 
     def step(self) -> list[EngineCoreOutput]:
+        drafts = self._drafts()  # timed on their own (the proposer's cost)
         start = time.perf_counter()
-        sched_out = self.scheduler.schedule(self._drafts())
+        sched_out = self.scheduler.schedule(drafts)
         if sched_out.empty:
             return []
         shape = sched_out.shape()
@@ -263,6 +266,8 @@ class EngineCore:
                 self.speculator.proposer.forget(request)
         measured_ms = (time.perf_counter() - start) * 1e3
         self.step_cost.observe(shape, measured_ms)
+        if self.speculator is not None:
+            self.speculator.observe_step(shape, len(sched_out.scheduled), measured_ms)
         self.step_stats.record(sched_out.prefill_cap, shape, predicted_ms, measured_ms)
         outputs = []
         for update in updated:

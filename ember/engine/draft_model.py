@@ -62,7 +62,6 @@ class DraftModelProposer(Proposer):
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=caching)
         self._mirrors: dict[str, tuple[Request, Request, int]] = {}  # id -> target, mirror, len
         self._new: set[str] = set()  # mirrors that have not looked up the prefix cache yet
-        self.num_tokens_computed = 0  # by the draft model, since start
         logger.info("draft model %s: %d KV blocks", config.speculative_model, num_blocks)
 
     def close(self) -> None:
@@ -94,10 +93,11 @@ class DraftModelProposer(Proposer):
                     mirror.num_computed_tokens += num_hit
                     block_ids = self.kv.block_ids(mirror.request_id)
                     out.scheduled.append(ScheduledRequest(mirror, num_new, block_ids))
-                    self.num_tokens_computed += num_new
+                    self.num_rows += num_new
             if not out.scheduled:
                 break
             result = self.runner.execute(out)
+            self.num_passes += 1
             sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
             for sched in out.scheduled:
                 mirror, (token,) = sched.request, sampled[sched.request.request_id]

@@ -148,6 +148,8 @@ class HiddenStateProposer(Proposer):
             decodes, prefills, self.kv.block_size, self.device
         )
         out = self.head(ids, positions, self.kv_caches, meta, hidden)
+        self.num_passes += 1
+        self.num_rows += len(ids)
         return out[sample_idx]
 
 

@@ -24,11 +24,16 @@ Proposers (behind `Proposer.propose`):
 The adaptive mode keeps, per request, how many drafts to propose: all accepted doubles
 it (up to `num_speculative_tokens`), none accepted halves it; at 0 the request decodes
 without drafts for a while (8 steps, doubling up to 64 each time it falls back to 0),
-then tries one draft again.
+then tries one draft again. In an engine, the adaptive mode also weighs each step's
+drafts against what they cost at that batch size (ember.engine.spec_planner): from each
+request's acceptance estimate (accepted drafts against rejections, recent ones counting
+most, pulled toward all requests' rate) and the measured step and proposer times, it
+keeps the drafts that raise expected output tokens per second, which can be none.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -45,12 +50,22 @@ if TYPE_CHECKING:
 
     from ember.engine.kv_cache import KVCacheManager
     from ember.engine.model_runner import ModelRunner
+    from ember.engine.spec_planner import DraftPlanner
+    from ember.engine.step_cost import StepCostModel, StepShape
 
 COOLDOWN_STEPS = (8, 64)  # steps without drafts after acceptance fell to 0: first, at most
+ACCEPTANCE_FADE = 0.8  # a request's acceptance counts fade by this at each verification
+GLOBAL_FADE = 0.995  # all requests' counts
+PRIOR_WEIGHT = 2.0  # all requests' rate counts as this many verifications of a new one
 
 
 class Proposer(ABC):
     """Proposes up to `num_tokens[i]` draft tokens to follow `requests[i]`'s tokens."""
+
+    # what a proposer that runs a model has computed since start: its forward passes,
+    # and the rows of all of them (what the adaptive mode's cost of proposing is fit to)
+    num_passes: int = 0
+    num_rows: int = 0
 
     @abstractmethod
     def propose(
@@ -176,6 +191,9 @@ class _Budget:
     k: int
     cooldown: int = 0  # steps left without drafts
     next_cooldown: int = COOLDOWN_STEPS[0]
+    # drafts accepted, and verifications that rejected one, fading (ACCEPTANCE_FADE)
+    accepted: float = 0.0
+    rejected: float = 0.0
 
 
 class Speculator:
@@ -188,6 +206,7 @@ class Speculator:
         num_tokens: int,
         adaptive: bool = True,
         disable_by_batch_size: int | None = None,
+        planner: DraftPlanner | None = None,
     ) -> None:
         if num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
@@ -195,8 +214,10 @@ class Speculator:
         self.num_tokens = num_tokens
         self.adaptive = adaptive
         self.disable_by_batch_size = disable_by_batch_size
+        self.planner = planner if adaptive else None
         self.stats = SpecStats()
         self._budgets: weakref.WeakKeyDictionary[Request, _Budget] = weakref.WeakKeyDictionary()
+        self._accepted = self._rejected = 0.0  # all requests', fading (GLOBAL_FADE)
 
     def propose(self, requests: Sequence[Request], max_model_len: int) -> dict[str, list[int]]:
         """Drafts for those of `requests` (running, decoding) that take them now: none
@@ -210,7 +231,12 @@ class Speculator:
             if k > 0:
                 chosen.append(request)
                 ks.append(k)
-        drafts = self.proposer.propose(chosen, ks) if chosen else []
+        if self.planner is not None and chosen:
+            acceptance = [self.acceptance(request) for request in chosen]
+            planned = self.planner.plan(len(requests), ks, acceptance)
+            chosen = [r for r, k in zip(chosen, planned, strict=True) if k > 0]
+            ks = [k for k in planned if k > 0]
+        drafts = self._run_proposer(chosen, ks) if chosen else []
         out = {}
         for request, draft, k in zip(chosen, drafts, ks, strict=True):
             draft = draft[:k]
@@ -219,6 +245,25 @@ class Speculator:
             if draft:
                 out[request.request_id] = draft
         return out
+
+    def _run_proposer(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        proposer = self.proposer
+        passes, rows, start = proposer.num_passes, proposer.num_rows, time.perf_counter()
+        drafts = proposer.propose(requests, ks)
+        if self.planner is not None:
+            ms = (time.perf_counter() - start) * 1e3
+            self.planner.observe_proposal(
+                proposer.num_passes - passes, proposer.num_rows - rows, ms
+            )
+        return drafts
+
+    def acceptance(self, request: Request) -> float:
+        """The estimated chance that each of the request's drafts is accepted (given those
+        before it were): its own recent verifications, pulled toward all requests'."""
+        overall = (self._accepted + 1) / (self._accepted + self._rejected + 2)
+        budget = self._budget(request)
+        seen = budget.accepted + budget.rejected
+        return (budget.accepted + PRIOR_WEIGHT * overall) / (seen + PRIOR_WEIGHT)
 
     def _k(self, request: Request, max_model_len: int) -> int:
         # the last token of a step is the target's own, within the context
@@ -240,12 +285,22 @@ class Speculator:
             budget = self._budgets[request] = _Budget(self.num_tokens)
         return budget
 
+    def observe_step(self, shape: StepShape, num_seqs: int, ms: float) -> None:
+        """The time of a step of `num_seqs` sequences (what drafts cost, for the plan)."""
+        if self.planner is not None:
+            self.planner.observe_step(shape, num_seqs, ms)
+
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """What the verification of `num_drafts` drafts of `request` kept."""
         self.stats.record(num_drafts, num_accepted)
         if not self.adaptive:
             return
         budget = self._budget(request)
+        rejected = int(num_accepted < num_drafts)
+        budget.accepted = ACCEPTANCE_FADE * budget.accepted + num_accepted
+        budget.rejected = ACCEPTANCE_FADE * budget.rejected + rejected
+        self._accepted = GLOBAL_FADE * self._accepted + num_accepted
+        self._rejected = GLOBAL_FADE * self._rejected + rejected
         if num_accepted == num_drafts:
             budget.k = min(max(2 * budget.k, 1), self.num_tokens)
         elif num_accepted == 0:
@@ -262,11 +317,16 @@ class Speculator:
 
 
 def make_speculator(
-    config: EngineConfig, runner: ModelRunner, kv: KVCacheManager, max_model_len: int
+    config: EngineConfig,
+    runner: ModelRunner,
+    kv: KVCacheManager,
+    max_model_len: int,
+    step_cost: StepCostModel | None = None,
 ) -> Speculator | None:
     """The engine's speculator over the target `runner` and its block manager `kv`, or
     None when speculative decoding is off (the method names were checked by
-    EngineConfig); a draft model gets as many KV blocks as the target."""
+    EngineConfig); a draft model gets as many KV blocks as the target. The adaptive mode
+    plans each step's drafts by cost (`DraftPlanner`) given the engine's `step_cost`."""
     method = config.speculative_method
     if method is None:
         return None
@@ -284,9 +344,15 @@ def make_speculator(
         proposer = mtp_proposer(runner, kv)
     else:
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    planner = None
+    if config.speculative_adaptive and step_cost is not None:
+        from ember.engine.spec_planner import DraftPlanner
+
+        planner = DraftPlanner(step_cost)
     return Speculator(
         proposer,
         config.num_speculative_tokens,
         config.speculative_adaptive,
         config.speculative_disable_by_batch_size,
+        planner,
     )

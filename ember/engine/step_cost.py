@@ -65,6 +65,42 @@ class StepCoefficients:
 _TYPICAL = np.array([1.0, 256.0, 8.0, 64.0])
 
 
+class FadingLeastSquares:
+    """y ~= x . coefficients, fitted by least squares over exponentially fading sums (each
+    observation's weight is multiplied by `decay` at every later one), coefficients
+    clamped to >= 0. The prior enters as `prior_weight` observations of size `typical`
+    per feature, fading like the rest, plus a faint lasting pull that holds coefficients
+    the observations say nothing about."""
+
+    def __init__(
+        self, prior: np.ndarray, typical: np.ndarray, prior_weight: float, decay: float
+    ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.prior = np.asarray(prior, dtype=float)
+        self.decay = decay
+        ridge = np.diag(prior_weight * np.asarray(typical, dtype=float) ** 2)
+        self._xx = ridge.copy()  # faded sums of x x^T and x y, the prior's included
+        self._xy = ridge @ self.prior
+        self._lasting = 1e-3 * ridge
+        self.coefficients = self.prior.copy()
+        self.num_observed = 0
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(x @ self.coefficients)
+
+    def observe(self, x: np.ndarray, y: float) -> None:
+        """Learns from one observation (a negative or non-finite y is ignored)."""
+        if not np.isfinite(y) or y < 0:
+            return
+        self._xx = self.decay * self._xx + np.outer(x, x)
+        self._xy = self.decay * self._xy + x * y
+        a = self._xx + self._lasting
+        b = self._xy + self._lasting @ self.prior
+        self.coefficients = np.maximum(np.linalg.solve(a, b), 0.0)
+        self.num_observed += 1
+
+
 class StepCostModel:
     def __init__(
         self,
@@ -72,31 +108,24 @@ class StepCostModel:
         prior_weight: float = 2.0,
         decay: float = 0.98,
     ) -> None:
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {decay}")
-        self.prior = (prior or StepCoefficients()).as_array()
-        self.decay = decay
-        ridge = np.diag(prior_weight * _TYPICAL**2)  # the prior, worth that many typical steps
-        self._xx = ridge.copy()  # faded sums of x x^T and x y, the prior's included
-        self._xy = ridge @ self.prior
-        self._lasting = 1e-3 * ridge
-        self.coefficients = self.prior.copy()
-        self.num_observed = 0
+        self.fit = FadingLeastSquares(
+            (prior or StepCoefficients()).as_array(), _TYPICAL, prior_weight, decay
+        )
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return self.fit.coefficients
+
+    @property
+    def num_observed(self) -> int:
+        return self.fit.num_observed
 
     def predict_ms(self, shape: StepShape) -> float:
-        return float(shape.features() @ self.coefficients)
+        return self.fit.predict(shape.features())
 
     def observe(self, shape: StepShape, measured_ms: float) -> None:
         """Learns from one step's measured time (negative or non-finite times are ignored)."""
-        if not np.isfinite(measured_ms) or measured_ms < 0:
-            return
-        x = shape.features()
-        self._xx = self.decay * self._xx + np.outer(x, x)
-        self._xy = self.decay * self._xy + x * measured_ms
-        a = self._xx + self._lasting
-        b = self._xy + self._lasting @ self.prior
-        self.coefficients = np.maximum(np.linalg.solve(a, b), 0.0)
-        self.num_observed += 1
+        self.fit.observe(shape.features(), measured_ms)
 
     def max_prefill_tokens(
         self, num_decode_rows: int, num_computed: int, max_ms: float, limit: int
