@@ -98,6 +98,7 @@ def main() -> None:
                 speculator.planner = None
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.chat(prompts("chat")[:1], SamplingParams(max_tokens=8))  # warm-up
+    print(flush=True)  # (after the loading bars)
     for round_ in range(args.rounds):
         shift = round_ % len(args.methods)
         order = args.methods[shift:] + args.methods[:shift]

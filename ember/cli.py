@@ -153,7 +153,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-speculative-adaptive",
         action="store_true",
         help="always propose --num-speculative-tokens drafts (by default a request whose "
-        "drafts are rejected gets fewer, down to none for a while)",
+        "drafts are rejected gets fewer, down to none for a while, and each step keeps the "
+        "drafts that pay at its batch size, by measured step times)",
     )
     parser.add_argument(
         "--speculative-disable-by-batch-size",

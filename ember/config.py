@@ -388,7 +388,8 @@ class EngineConfig:
     # off; "ngram": prompt lookup; "draft": speculative_model, a smaller model with the
     # same tokenizer; "eagle3": speculative_model, an EAGLE-3 head; "mtp": the model's
     # own multi-token-prediction layer), at most num_speculative_tokens per request and
-    # step, fewer (down to none for a while) where they are not accepted unless not adaptive
+    # step, fewer (down to none for a while) where they are not accepted, and only those
+    # that pay at the step's batch size (ember.engine.spec_planner), unless not adaptive
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4

@@ -106,15 +106,20 @@ def test_a_probe_whose_proposing_cost_decode_steps_stretches_the_wait():
     assert steps_to_probe() == 4 * PROBE_EVERY
 
 
-def test_a_new_batch_size_decodes_without_drafts_then_drafts_by_what_it_measured():
+def test_a_new_batch_size_decodes_without_drafts_then_reaches_out_a_draft_at_a_time():
     # the model says rows are cheap (1 ms beside a 100 ms step)
     planner = planner_with({}, StepCoefficients(base=100, per_decode_row=1))
-    assert planner.plan(2, [3, 3], [0.5, 0.5]) == [0, 0]  # first: the rate to beat
+    plan = lambda: planner.plan(2, [3, 3], [0.5, 0.5])  # noqa: E731
+    assert plan() == [0, 0]  # first: the rate to beat
     planner.observe_step(StepShape(num_decode_rows=2), 2, 100.0)
-    assert planner.plan(2, [3, 3], [0.5, 0.5]) == [3, 3]  # then every draft
-    planner.observe_step(StepShape(num_decode_rows=8), 2, 400.0)  # they were not cheap
+    assert plan() == [1, 1]  # then one draft each past the most rows measured
+    planner.observe_step(StepShape(num_decode_rows=4), 2, 102.0)
+    assert plan() == [2, 2]
+    planner.observe_step(StepShape(num_decode_rows=6), 2, 400.0)  # those were not cheap
     planner.observe_step(StepShape(num_prefill_tokens=64, num_decode_rows=2), 2, 1.0)
-    assert planner.plan(2, [3, 3], [0.5, 0.5]) == [0, 0]
+    assert plan() == [1, 1]
+    planner.observe_step(StepShape(num_decode_rows=4), 2, 1000.0)
+    assert plan() == [0, 0]
 
 
 def test_a_requests_acceptance_follows_its_verifications_from_the_overall_rate():
@@ -146,6 +151,9 @@ class FixedCosts(DecodeCosts):
 
     def seen(self, num_seqs, num_rows):
         return True
+
+    def most_rows(self, num_seqs):
+        return 1 << 30
 
     def predict(self, num_seqs, num_rows):
         return 100.0 + 4.0 * num_rows

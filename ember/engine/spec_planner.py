@@ -24,7 +24,9 @@ steps; one not seen yet is interpolated between the nearest seen ones of the sam
 sequences, or extended from them (beyond the last, by the slope between the last two),
 or taken from the engine's linear `StepCostModel`. The plan tries what its estimate
 favours, and what it tries is measured, so wrong estimates are corrected by the next
-step that uses them. The step without drafts, the rate every plan is measured against,
+step that uses them; it reaches at most one draft per sequence past the most rows
+measured at the batch size, so that a wrong estimate costs little (4 drafts each at once,
+on the numbers above, would cost a step of 4 plain ones). The step without drafts, the rate every plan is measured against,
 is measured first: a batch size never seen decoding without drafts decodes one step
 without them. Requests left without drafts keep their acceptance estimate; after
 `PROBE_EVERY` steps that left some out, those get one draft, so that an estimate that
@@ -64,6 +66,10 @@ class DecodeCosts:
 
     def seen(self, num_seqs: int, num_rows: int) -> bool:
         return num_rows in self._ms.get(num_seqs, {})
+
+    def most_rows(self, num_seqs: int) -> int:
+        """The most rows measured in a step of `num_seqs` sequences (0: none yet)."""
+        return max(self._ms.get(num_seqs, {0: 0.0}))
 
     def predict(self, num_seqs: int, num_rows: int) -> float:
         seen = self._ms.get(num_seqs)
@@ -114,11 +120,14 @@ class DraftPlanner:
              for j in range(1, cap + 1)),
             key=lambda p: -p[0],
         )  # fmt: skip
+        reach = self.decode_costs.most_rows(b)  # then one draft each past it, at most
         best_n, best_rate = 0, b / max(self.decode_costs.predict(b, b), 1e-6)
         threshold = best_rate * (1 + MARGIN)
         counts = [0] * len(caps)
         gained = passes = proposed_rows = 0.0
         for n, (value, i) in enumerate(order, 1):
+            if n > reach:
+                break
             counts[i] += 1
             passes = max(passes, counts[i])
             gained += value
