@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from ember import LLM, SamplingParams
 from ember.cli import build_parser
 from ember.config import EngineConfig
-from ember.models.layers import BF16_MIN_ROWS, Linear, cpu_has_bf16
+from ember.models.layers import BF16_MIN_ROWS, BLOCK_GEMM_MAX_ROWS, Linear, cpu_has_bf16
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -127,7 +127,12 @@ def test_weights_are_packed_once_in_bf16(tiny_checkpoint, monkeypatch):
         assert ours.weight.dtype == torch.float32 and ours.bf16_prefill
         torch.testing.assert_close(ours.packed.to_dense().float(), ours.weight.bfloat16().float())
     model = fast.engine.core.runner.model.model
-    assert all(p is None for _, packed, _, _ in model.fused_decode.layers for p in packed)
+    layers = model.fused_decode.layers
+    assert all(p is None for layer in layers for p in layer.packed)
+    # no fp32 packed copy to fall back on: GGUF blocks take any rows (drafts' verification)
+    assert all(layer.block_max_rows > BLOCK_GEMM_MAX_ROWS for layer in layers)
+    exact_layers = exact.engine.core.runner.model.model.fused_decode.layers
+    assert all(layer.block_max_rows == BLOCK_GEMM_MAX_ROWS for layer in exact_layers)
     assert model.fused_decode_max_rows == BF16_MIN_ROWS - 1  # larger batches: bf16
     fast.generate(PROMPTS, GREEDY)
     assert torch.backends.mkldnn.matmul.fp32_precision == setting

@@ -11,6 +11,7 @@ experts are stacked (ember.models.moe) and Mixtral's `block_sparse_moe` is read 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +156,16 @@ class LlamaModel(nn.Module):
             self.captured.append(hidden.clone() if residual is None else hidden + residual)
 
 
+class FusedLayer(NamedTuple):
+    """One layer's arguments to the C++ `decode_layer` (see its comments)."""
+
+    weights: list[torch.Tensor]  # input norm, post norm, qkv, o, gate_up, down
+    packed: list[torch.Tensor | None]  # the four matmuls' fp32 packed copies, if any
+    blocks: list[torch.Tensor | None]  # their GGUF blocks, if any
+    qkv_bias: torch.Tensor | None
+    block_max_rows: int  # the most rows multiplied on the blocks
+
+
 class FusedDecode:
     """Decode-only steps through ember's C++ `decode_layer`: one call per layer instead of
     ~25 Python-level ops (CPU, float32, paged CPU attention, no q/k norm)."""
@@ -168,7 +179,7 @@ class FusedDecode:
         self.layers = [self._layer_args(layer) for layer in model.layers]
 
     @staticmethod
-    def _layer_args(layer: LlamaDecoderLayer) -> tuple:
+    def _layer_args(layer: LlamaDecoderLayer) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -177,20 +188,21 @@ class FusedDecode:
         packed = [lin.packed if lin.packed.dtype == lin.weight.dtype else None for lin in linears]
         # without a packed fp32 copy, the blocks take any number of rows (drafts' rows of
         # up to 15 sequences): one pass over them per 8 rows streams less than MKL does
-        # over the fp32 weight (measured, Qwen2.5-1.5B Q4_K, 4 sequences of 5 rows: ~1.6x)
+        # over the fp32 weight (measured, Qwen2.5-1.5B Q4_K, 4 sequences of 5 rows: ~1.7x)
         block_max_rows = BLOCK_GEMM_MAX_ROWS if packed[0] is not None else 1 << 30
-        return weights, packed, [lin.blocks for lin in linears], attn.qkv_proj.bias, block_max_rows
+        blocks = [lin.blocks for lin in linears]
+        return FusedLayer(weights, packed, blocks, attn.qkv_proj.bias, block_max_rows)
 
     def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata, capture):
         residual = hidden
         cos, sin = cos_sin
-        for i, (weights, packed, blocks, qkv_bias, block_max_rows) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
             capture(i, hidden, residual if i else None)
             hidden = self.kernels.decode_layer(
-                hidden, residual, i == 0, weights, packed, blocks, qkv_bias, self.eps,
-                *self.shape, cos, sin, kv_caches[i][0], kv_caches[i][1], meta.slot_mapping,
-                meta.decode_block_table, meta.decode_context_lens, self.scale, PACKED_MIN_ROWS,
-                block_max_rows,
+                hidden, residual, i == 0, layer.weights, layer.packed, layer.blocks,
+                layer.qkv_bias, self.eps, *self.shape, cos, sin, kv_caches[i][0],
+                kv_caches[i][1], meta.slot_mapping, meta.decode_block_table,
+                meta.decode_context_lens, self.scale, PACKED_MIN_ROWS, layer.block_max_rows,
             )  # fmt: skip
         capture(len(self.layers), hidden, residual)
         return hidden + residual
