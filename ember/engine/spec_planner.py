@@ -4,8 +4,8 @@ A verification row costs compute where a plain decode row costs mostly the pass 
 the weights, so whether drafts pay depends on the batch, the model, the kernels and the
 box. Measured on a 2-core CPU with Qwen2.5-Coder-1.5B (Q4_K): a decode step of 4
 sequences took 157 ms; with 1, 2 and 4 drafts each (8, 12 and 20 rows) 232, 382 and
-953 ms. One sequence with 4 drafts: 168 ms against 114. So drafts that pay at batch 1
-can halve throughput at batch 4.
+560 ms. One sequence with 4 drafts: 168 ms against 114. So drafts that pay at batch 1
+can cost throughput at batch 4.
 
 Each step `DraftPlanner.plan` chooses, among the drafts the per-request budgets allow,
 the set that maximizes expected output tokens per millisecond (goodput):
@@ -25,15 +25,17 @@ sequences, or extended from them (beyond the last, by the slope between the last
 or taken from the engine's linear `StepCostModel`. The plan tries what its estimate
 favours, and what it tries is measured, so wrong estimates are corrected by the next
 step that uses them; it reaches at most one draft per sequence past the most rows
-measured at the batch size, so that a wrong estimate costs little (4 drafts each at once,
-on the numbers above, would cost a step of 4 plain ones). The step without drafts, the rate every plan is measured against,
-is measured first: a batch size never seen decoding without drafts decodes one step
-without them. Requests left without drafts keep their acceptance estimate; after
-`PROBE_EVERY` steps that left some out, those get one draft, so that an estimate that
-has gone stale (a reply that turned from prose to quoting its context) comes back; each
-probe doubles the wait (up to `PROBE_MAX`), and the wait is stretched by what the last
-probe's proposing cost in decode steps (a draft model first catches up over every token
-since it last drafted); a plan that leaves none out resets it.
+measured at the batch size, so that a wrong estimate costs little (4 drafts each at
+once, on the numbers above, cost as much as 3.6 plain steps). The step without drafts,
+the rate every plan is measured against, is measured first: a batch size never seen
+decoding without drafts decodes one step without them.
+
+Requests left without drafts keep their acceptance estimate; after `PROBE_EVERY` steps
+that left some out, those get one draft, so that an estimate that has gone stale (a
+reply that turned from prose to quoting its context) comes back; each probe doubles the
+wait (up to `PROBE_MAX`), and the wait is stretched by what the last probe's proposing
+cost in decode steps (a draft model first catches up over every token since it last
+drafted); a plan that leaves none out resets it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ import numpy as np
 from ember.engine.step_cost import FadingLeastSquares, StepCostModel, StepShape
 
 PROBE_EVERY = 32  # steps that left a request's drafts out, then one draft each
-PROBE_MAX = 256  # the wait doubles while probes change nothing, up to this
+PROBE_MAX = 256  # the wait doubles at each probe, up to this (back to PROBE_EVERY when
+# a plan leaves no request out)
 MARGIN = 0.02  # a plan with drafts must beat none by this share (noise)
 
 
