@@ -40,6 +40,7 @@ drafted); a plan that leaves none out resets it.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -118,20 +119,22 @@ class DraftPlanner:
         b = num_decoding
         if not self.decode_costs.seen(b, b):  # first the rate to beat
             return [0] * len(caps)
-        order = sorted(
-            ((a**j, i) for i, (cap, a) in enumerate(zip(caps, acceptance, strict=True))
-             for j in range(1, cap + 1)),
-            key=lambda p: -p[0],
-        )  # fmt: skip
         reach = self.decode_costs.most_rows(b)  # then one draft each past it, at most
-        best_n, best_rate = 0, b / max(self.decode_costs.predict(b, b), 1e-6)
+        best_rate = b / max(self.decode_costs.predict(b, b), 1e-6)
         threshold = best_rate * (1 + MARGIN)
-        counts = [0] * len(caps)
+        # the drafts best value first: each request's next one, a^(j+1) after a^j
+        heap = [(-a, i) for i, (cap, a) in enumerate(zip(caps, acceptance, strict=True)) if cap]
+        heapq.heapify(heap)
+        counts, ks = [0] * len(caps), [0] * len(caps)
         gained = passes = proposed_rows = 0.0
-        for n, (value, i) in enumerate(order, 1):
-            if n > reach:
+        for n in range(1, reach + 1):
+            if not heap:
                 break
+            value, i = heapq.heappop(heap)
+            value = -value
             counts[i] += 1
+            if counts[i] < caps[i]:
+                heapq.heappush(heap, (-value * acceptance[i], i))
             passes = max(passes, counts[i])
             gained += value
             proposed_rows += 1 + value  # a draft's row, and the catch-up of what is kept
@@ -140,10 +143,7 @@ class DraftPlanner:
             )
             rate = (b + gained) / max(ms, 1e-6)
             if rate > max(best_rate, threshold):
-                best_n, best_rate = n, rate
-        ks = [0] * len(caps)
-        for _, i in order[:best_n]:
-            ks[i] += 1
+                best_rate, ks = rate, counts.copy()
         if all(ks):
             self.probe_every = PROBE_EVERY
             return ks
