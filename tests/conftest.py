@@ -219,7 +219,7 @@ def every_draft(request, monkeypatch):
     if request.node.get_closest_marker("plans_drafts") is None:
         from ember.engine.spec_planner import DraftPlanner
 
-        monkeypatch.setattr(DraftPlanner, "plan", lambda self, num, caps, acceptance: list(caps))
+        monkeypatch.setattr(DraftPlanner, "plan", lambda self, num, caps, *estimates: list(caps))
 
 
 @pytest.fixture

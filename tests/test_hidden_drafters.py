@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conftest import COMMON, VOCAB, build_tokenizer
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
+from ember.engine.sampler import position_noise
 
 pytestmark = pytest.mark.usefixtures("every_draft")
 
@@ -30,10 +31,9 @@ EPS = 1e-6
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1),
     SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.2),
-    SamplingParams(temperature=0.8, max_tokens=30, seed=5),  # random: rejection sampling
+    SamplingParams(temperature=0.8, max_tokens=30, seed=5),  # random: drafts drawn
     SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True),
 ]
-GREEDY_ROWS = (0, 1, 3)
 
 
 @pytest.fixture(scope="module")
@@ -132,43 +132,60 @@ def eagle_layer(w, embeds, hidden):
     return r + (F.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
 
 
-def reference_drafts(layer, first, embed, tokens: list[int], hidden, k: int) -> list[int]:
-    """k greedy drafts after `tokens`: rows (embed(t[p + 1]), hidden[p]) for the target's
-    positions 0..n-2, then each draft's row with the head's previous output; `first`
-    maps a row's output to its draft token."""
-    ids, rows, drafts = list(tokens[1:]), hidden[: len(tokens) - 1], []
-    for _ in range(k):
-        out = layer(embed[torch.tensor(ids)], rows)
-        drafts.append(first(out[-1]))
-        ids.append(drafts[-1])
+def reference_drafts(layer, logits_of, ids, embed, tokens, hidden, k, sampling) -> list[int]:
+    """k drafts after `tokens`: rows (embed(t[p + 1]), hidden[p]) for the target's
+    positions 0..n-2, then each draft's row with the head's previous output; a row's
+    output gives logits (`logits_of`) over the tokens `ids` (None: all), and the draft is
+    their argmax, or with `sampling` (temperature, seed) the draw with the noise of its
+    position."""
+    ids_, rows, drafts = list(tokens[1:]), hidden[: len(tokens) - 1], []
+    for j in range(k):
+        out = layer(embed[torch.tensor(ids_)], rows)
+        logits = logits_of(out[-1])
+        if sampling is None:
+            best = int(logits.argmax())
+        else:
+            temperature, seed = sampling
+            noise = position_noise(seed, len(tokens) + j, VOCAB)
+            noise = noise if ids is None else noise[ids]
+            best = int((torch.softmax(logits / temperature, -1) / noise).argmax())
+        drafts.append(best if ids is None else int(ids[best]))
+        ids_.append(drafts[-1])
         rows = torch.cat([rows, out[-1:]])
     return drafts
 
 
 def eagle_reference(model, w, layers):
     fc, embed = w["fc.weight"], model.model.embed_tokens.weight
+    vocab = w["lm_head.weight"].shape[0]
+    ids = torch.arange(vocab) + w["d2t"] if "d2t" in w else None
 
-    def first(out):
-        best = int((rms(out, w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
-        return best + int(w["d2t"][best]) if "d2t" in w else best
+    def logits_of(out):
+        return rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
 
-    def drafts(tokens, k):
+    def drafts(tokens, k, sampling=None):
         with torch.no_grad():
             states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
             hidden = torch.cat([states[i][0] for i in layers], -1) @ fc.T
-            return reference_drafts(lambda e, h: eagle_layer(w, e, h), first, embed, tokens, hidden, k)  # fmt: skip
+            layer = lambda e, h: eagle_layer(w, e, h)  # noqa: E731
+            return reference_drafts(layer, logits_of, ids, embed, tokens, hidden, k, sampling)
 
     return drafts
 
 
-def record_drafts(llm) -> list[tuple[list[int], list[int]]]:
-    """(the request's tokens, its drafts) of every proposal the engine makes from now."""
+def record_drafts(llm) -> list[tuple[list[int], list[int], tuple | None]]:
+    """(the request's tokens, its drafts, its (temperature, seed) if it samples) of every
+    proposal the engine makes from now."""
     proposer, records = llm.engine.core.speculator.proposer, []
     propose = proposer.propose
 
     def recording(requests, num_tokens):
         out = propose(requests, num_tokens)
-        records.extend((list(r.token_ids), d) for r, d in zip(requests, out, strict=True) if d)
+        for r, d in zip(requests, out, strict=True):
+            p = r.sampling_params
+            sampling = None if p.greedy else (p.temperature, r.seed)
+            if d:
+                records.append((list(r.token_ids), d, sampling))
         return out
 
     proposer.propose = recording
@@ -176,14 +193,15 @@ def record_drafts(llm) -> list[tuple[list[int], list[int]]]:
 
 
 def check(llm, plain_outputs, prompts, reference):
-    """Greedy output unchanged, every draft the reference's, nothing leaked."""
+    """Output unchanged (the seeded random request's too), every draft the
+    reference's (the random request's drawn), nothing leaked."""
     records = record_drafts(llm)
     got = llm.generate(prompts, PARAMS)
     # logprobs to 1e-4: 8 layers, and rows batched otherwise than without drafts
-    _assert_same([plain_outputs[i] for i in GREEDY_ROWS], [got[i] for i in GREEDY_ROWS], 1e-4)
-    assert len(records) > 20
-    for tokens, drafts in records:
-        assert drafts == reference(tokens, len(drafts)), (len(tokens), drafts)
+    _assert_same(plain_outputs, got, 1e-4)
+    assert len(records) > 20 and any(sampling for *_, sampling in records)
+    for tokens, drafts, sampling in records:
+        assert drafts == reference(tokens, len(drafts), sampling), (len(tokens), drafts)
     core = llm.engine.core
     assert core.kv_cache.check_integrity()
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
@@ -234,15 +252,15 @@ def test_eagle3_head_options(target, tmp_path):
     _assert_same(plain, got, 1e-4)
     w = load_file(head / "model.safetensors")
 
-    def first(out):
-        return int((rms(out, w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
+    def logits_of(out):
+        return rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
 
-    for tokens, drafts in records:
+    for tokens, drafts, sampling in records:
         states, before_norm = _states(model, tokens)
         hidden = torch.cat([states[1][0], before_norm], -1) @ w["fc.weight"].T
         want = reference_drafts(
-            lambda e, h: eagle_layer(w, e, h), first, w["embed_tokens.weight"], tokens, hidden,
-            len(drafts),
+            lambda e, h: eagle_layer(w, e, h), logits_of, None, w["embed_tokens.weight"],
+            tokens, hidden, len(drafts), sampling,
         )  # fmt: skip
         assert drafts == want
     assert len(records) > 5
@@ -327,14 +345,14 @@ def deepseek_mtp(tiny_checkpoint, tmp_path_factory):
         out = layer(x, position_ids=positions, position_embeddings=rotary(x, positions))
         return (out[0] if isinstance(out, tuple) else out)[0]
 
-    def first(out):
-        return int((rms(out, own["shared_head.norm.weight"]) @ model.lm_head.weight.T).argmax())
+    def logits_of(out):
+        return rms(out, own["shared_head.norm.weight"]) @ model.lm_head.weight.T
 
-    def reference(tokens, k):
+    def reference(tokens, k, sampling=None):
         with torch.no_grad():
             hidden = model.model(torch.tensor([tokens])).last_hidden_state[0]  # normed
             embed = model.model.embed_tokens.weight
-            return reference_drafts(mtp_layer, first, embed, tokens, hidden, k)
+            return reference_drafts(mtp_layer, logits_of, None, embed, tokens, hidden, k, sampling)
 
     return path, reference
 
@@ -355,7 +373,7 @@ def test_the_catch_up_takes_the_kept_rows_after_any_gap_and_recomputed_rows_repl
     from ember.engine.request import Request
 
     kv = KVCacheManager(8, 4, enable_prefix_caching=True)
-    proposer = HiddenStateProposer(None, kv, [], torch.device("cpu"))
+    proposer = HiddenStateProposer(None, kv, [], torch.device("cpu"), 500)
     request = Request("r", list(range(100, 120)), SamplingParams(max_tokens=8), 8)
     kv.allocate_slots(request, 16)
     request.num_computed_tokens = 14  # the target's states from 14 on were of drafts
@@ -367,7 +385,8 @@ def test_the_catch_up_takes_the_kept_rows_after_any_gap_and_recomputed_rows_repl
     proposer.take_features(request, 8, rows(8, 12))  # 6 and 7 never handed over
     proposer.take_features(request, 12, rows(12, 16))
     proposer.take_features(request, 10, rows(10, 17) + 0.5)  # computed again from 10
+    assert proposer.lag(request) == 6  # the rows the catch-up reads
     entry = proposer._catch_up(request, 1)
     assert (entry.k, entry.rows.start) == (1, 8) and entry.rows.tokens == list(range(109, 115))
     assert entry.hidden[:, 0].tolist() == [8, 9, 10.5, 11.5, 12.5, 13.5]
-    assert proposer._catch_up(request, 1) is None  # all read
+    assert proposer._catch_up(request, 1) is None and proposer.lag(request) == 0  # all read

@@ -58,18 +58,19 @@ def tokens(outputs) -> list[int]:
     return [t for o in outputs for t in o.new_token_ids]
 
 
-def prefill(core: EngineCore, request_id: str, prompt=PROMPT):
+def prefill(core: EngineCore, request_id: str, prompt=PROMPT, sampling=GREEDY):
     params = KVTransferParams(do_remote_decode=True)
-    outputs = run(core, EngineCoreRequest(request_id, prompt, GREEDY, 1, [], kv_transfer=params))
+    request = EngineCoreRequest(request_id, prompt, sampling, 1, [], kv_transfer=params)
+    outputs = run(core, request)
     assert outputs[-1].finish_reason == "length"
     remote = outputs[-1].kv_transfer_params
     assert remote is not None and remote.num_tokens == len(prompt)
     return remote
 
 
-def decode(core: EngineCore, request_id: str, remote, prompt=PROMPT):
+def decode(core: EngineCore, request_id: str, remote, prompt=PROMPT, sampling=GREEDY):
     params = KVTransferParams(remote_prefill=remote)
-    request = EngineCoreRequest(request_id, prompt, GREEDY, MAX_TOKENS, [], kv_transfer=params)
+    request = EngineCoreRequest(request_id, prompt, sampling, MAX_TOKENS, [], kv_transfer=params)
     return remote.first_token_ids + tokens(run(core, request))
 
 
@@ -124,6 +125,21 @@ def test_handed_over_decode_matches_a_mixed_worker(
         assert prefill_core.stats().kv_bytes_sent == stats.kv_bytes_received
     settle(prefill_core, decode_core)
     assert prefill_core.stats().kv_holds_expired == 0  # released by the decode worker
+
+
+def test_a_seeded_random_request_draws_the_same_tokens_when_handed_over(
+    checkpoint, prefill_core, request
+):
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS)
+    mixed = make_core(checkpoint)
+    request.addfinalizer(mixed.close)
+    want = tokens(run(mixed, EngineCoreRequest("ref", PROMPT, seeded, MAX_TOKENS, [])))
+    decode_core = _decode_core(checkpoint, request)
+    remote = prefill(prefill_core, "p", sampling=seeded)
+    assert decode(decode_core, "d", remote, sampling=seeded) == want
+    other = SamplingParams(temperature=1.0, seed=6, max_tokens=MAX_TOKENS)
+    assert tokens(run(mixed, EngineCoreRequest("other", PROMPT, other, MAX_TOKENS, []))) != want
+    settle(prefill_core, decode_core)
 
 
 def test_only_blocks_the_decode_worker_lacks_are_sent(checkpoint, prefill_core, reference, request):

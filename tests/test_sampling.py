@@ -27,10 +27,11 @@ def make_request(
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, num_draws: int, seed: int = 0):
-    """`num_draws` independent samples from one row of logits (unseeded rows, global RNG)."""
+    """`num_draws` independent samples from one row of logits (unseeded requests: each
+    draws its own seed from the global RNG)."""
     torch.manual_seed(seed)
-    request = make_request(params)
-    out = sample(logits.expand(num_draws, -1).clone(), [request] * num_draws)
+    requests = [make_request(params) for _ in range(num_draws)]
+    out = sample(logits.expand(num_draws, -1).clone(), requests)
     return torch.tensor(out.token_ids)
 
 
@@ -117,7 +118,9 @@ def test_each_row_of_a_mixed_batch_obeys_its_own_parameters():
         (SamplingParams(), set(range(50))),
     ]
     torch.manual_seed(0)
-    requests = [make_request(p, rid=f"r{i}") for i, (p, _) in enumerate(kinds)] * 500
+    # 500 rounds: at 500 positions (a seeded request's draw depends on its position)
+    requests = [make_request(p, output=[1] * j, rid=f"r{i}.{j}")
+                for j in range(500) for i, (p, _) in enumerate(kinds)]  # fmt: skip
     tokens = sample(logits.expand(len(requests), -1).clone(), requests).token_ids
     for i, (_, allowed) in enumerate(kinds):
         seen = set(tokens[i :: len(kinds)])
@@ -135,7 +138,10 @@ def run_steps(requests: list[Request], target: int, num_steps: int = 25) -> list
     for _ in range(num_steps):
         logits = torch.randn(len(requests), 64, generator=gen)
         logits[target] = torch.randn(64, generator=torch.Generator().manual_seed(len(out)))
-        out.append(sample(logits, requests).token_ids[target])
+        tokens = sample(logits, requests).token_ids
+        for request, token in zip(requests, tokens, strict=True):
+            request.token_ids.append(token)  # each step draws at the next position
+        out.append(tokens[target])
     return out
 
 

@@ -43,6 +43,8 @@ def test_decode_costs_are_measured_interpolated_and_extended():
     costs.observe(2, 6, float("nan"))
     assert costs.predict(2, 6) == 50.0
     assert costs.predict(1, 1) == 13.0  # other batch sizes are their own
+    costs.observe(4, 4, 100.0)  # one point at 4 sequences: the cost of a row more is
+    assert costs.predict(4, 8) == 100.0 + 4 * 7.5  # that measured at 2 (2 -> 6 rows: +30 ms)
 
 
 def test_drafts_that_pay_at_batch_1_are_cut_at_batch_4():
@@ -104,6 +106,85 @@ def test_a_probe_whose_proposing_cost_decode_steps_stretches_the_wait():
     assert steps_to_probe() == 3 * 2 * PROBE_EVERY
     planner.observe_proposal(1, 4, 1.0)  # a cheap probe
     assert steps_to_probe() == 4 * PROBE_EVERY
+
+
+def draft_model_planner() -> DraftPlanner:
+    """The plan of a 1.5B target beside a draft model whose forward pass costs 35 ms
+    and each row it computes 2 ms more (a catch-up of 600 tokens: 1.2 s)."""
+    planner = planner_with(QWEN_1_5B)
+    for _ in range(10):
+        for passes, rows in [(1, 1), (4, 9), (1, 200), (2, 60)]:
+            planner.observe_proposal(passes, rows, 35.0 * passes + 2.0 * rows)
+    return planner
+
+
+def test_a_catch_up_is_charged_over_the_steps_a_request_has_left():
+    planner = draft_model_planner()
+    assert planner.plan(1, [4], [0.8]) == [2]  # a third draft is not worth its pass
+    # a catch-up over a 600-token prompt pays for itself over a reply of 256 tokens (and,
+    # paid once the request drafts at all, makes a third draft worth it)
+    assert planner.plan(1, [4], [0.8], [600], [256]) == [3]
+    # not over 20 tokens (7 steps of 2 drafts), where drafting a request caught up does
+    assert planner.plan(1, [4], [0.8], [600], [20]) == [0]
+    assert planner.plan(1, [4], [0.8], [2], [20]) == [2]
+
+
+def test_probes_skip_requests_whose_catch_up_costs_more_than_half_a_step():
+    planner = draft_model_planner()
+    caps, acceptance = [4] * 4, [0.2] * 4
+
+    def steps_to_probe(lags) -> tuple[int, list[int]]:
+        for n in range(1, PROBE_MAX + 1):
+            ks = planner.plan(4, caps, acceptance, lags, [256] * 4)
+            if any(ks):
+                return n, ks
+        return PROBE_MAX + 1, [0] * 4
+
+    # 10 rows and a pass: 55 ms, within half of the 157 ms step; 40 rows: 115 ms
+    assert steps_to_probe([10, 40, 10, 40]) == (PROBE_EVERY, [1, 0, 1, 0])
+    # none cheap enough: no probe, and the wait does not grow
+    assert steps_to_probe([40] * 4) == (PROBE_MAX + 1, [0] * 4)
+    assert steps_to_probe([1] * 4) == (2 * PROBE_EVERY, [1] * 4)
+
+
+class Plans:
+    """A planner that keeps every draft and records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = []
+
+    def plan(self, num_decoding, caps, acceptance, lags, tokens_left):
+        self.asked.append((lags, tokens_left))
+        return list(caps)
+
+    def observe_proposal(self, *args):
+        pass
+
+
+class Lagging(Echo):
+    def lag(self, request):
+        return request.num_tokens
+
+
+def test_the_plan_is_told_each_requests_catch_up_and_expected_tokens_left():
+    plans = Plans()
+    speculator = Speculator(Lagging(), num_tokens=4, planner=plans)
+    short, long = (Request(r, [1, 2, 3], SamplingParams(max_tokens=n), n) for r, n in
+                   [("short", 20), ("long", 1000)])  # fmt: skip
+    speculator.propose([short, long], 4096)
+    assert plans.asked[-1] == ([3, 3], [20, 128])  # recent replies' length: 128 at first
+    done = Request("done", [1], SamplingParams(max_tokens=1000), 1000)
+    done.token_ids += [5] * 8
+    for _ in range(30):
+        speculator.forget(done)  # replies of 8 tokens
+    speculator.forget(Request("gone", [1], SamplingParams(max_tokens=1000), 1000), False)
+    speculator.propose([short, long], 4096)
+    lags, tokens_left = plans.asked[-1]
+    assert tokens_left[0] == pytest.approx(8, abs=0.2) and tokens_left[1] == tokens_left[0]
+    # an aborted request's length says nothing of how long replies run
+    speculator.forget(Request("gone", [1], SamplingParams(max_tokens=1000), 1000), False)
+    speculator.propose([short], 4096)
+    assert plans.asked[-1][1] == [tokens_left[0]]
 
 
 def test_a_new_batch_size_decodes_without_drafts_then_reaches_out_a_draft_at_a_time():

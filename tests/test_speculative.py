@@ -1,6 +1,6 @@
 """Speculative decoding: the ngram proposer, the adaptive number of drafts, the
 scheduler's bookkeeping of accepted and rejected drafts, the sampler's verification
-(greedy and rejection sampling), and whole engines whose greedy output must equal
+(greedy, and a random request's own draws), and whole engines whose output must equal
 decoding without drafts."""
 
 from __future__ import annotations
@@ -335,6 +335,7 @@ def _plain_draws(logits, n: int, seed: int) -> list[list[int]]:
     for i in range(n):
         request = _request(i, temperature=1.0, seed=seed + i)
         first = Sampler()(logits[:1], [request]).token_ids[0]
+        request.token_ids.append(first)
         second = Sampler()(logits[1:2], [request]).token_ids[0]
         out.append([first, second])
     return out
@@ -352,7 +353,7 @@ def _plain_truncated(plain: list[list[int]], draft: list[int]) -> list[list[int]
     return [p if p[0] == draft[0] else p[:1] for p in plain]
 
 
-def test_rejection_sampling_keeps_the_target_distribution_and_a_biased_verifier_fails(
+def test_drawn_verification_keeps_the_target_distribution_and_a_biased_verifier_fails(
     monkeypatch,
 ):
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0], [0.0, 1.0, 2.0, 0.5, 0.0]])
@@ -361,17 +362,20 @@ def test_rejection_sampling_keeps_the_target_distribution_and_a_biased_verifier_
     spec = _random_draws(logits, draft, 3000, 50_000)
     assert chi2_p_value(_table(spec, plain)) > 0.01
     accepted = sum(1 for s in spec if s[0] == draft[0])
-    assert 0.2 < accepted / len(spec) < 0.32  # p(1) = 0.26
+    assert 0.2 < accepted / len(spec) < 0.32  # p(1) = 0.26, as rejection sampling keeps it
+    # with the same seeds, the very tokens of drawing without drafts
+    same = _random_draws(logits, draft, 300, 10_000)
+    assert same == _plain_truncated(_plain_draws(logits, 300, 10_000), draft)
 
-    def biased(draft, probs, generator):  # accepts with probability sqrt(p): too often
-        u = torch.rand((), generator=generator)
-        if bool(u * u < probs[0, draft[0]]):
-            return [draft[0], sampler_module._draw(probs[1], generator)]
-        residual = probs[0].clone()
-        residual[draft[0]] = 0.0
-        return [sampler_module._draw(residual, generator)]
+    drawn = sampler_module._accept_drawn
 
-    monkeypatch.setattr(sampler_module, "_accept_random", biased)
+    def biased(draft, probs, request):  # keeps a third of the drafts it should not
+        got = drawn(draft, probs, request)
+        if got[0] != draft[0] and request.seed % 3 == 0:
+            return [draft[0], int(probs[1].argmax())]
+        return got
+
+    monkeypatch.setattr(sampler_module, "_accept_drawn", biased)
     spec = _random_draws(logits, draft, 3000, 50_000)
     assert chi2_p_value(_table(spec, plain)) < 1e-6
 
@@ -425,10 +429,12 @@ def test_sampling_with_drafts_keeps_the_models_distribution(tiny_checkpoint, mon
     stats = spec.engine.core.stats().spec_decode
     assert stats["num_drafts"] == 600 and 150 < stats["num_accepted_tokens"] < 550
 
-    def keep_all(draft, probs, generator):
-        return [*draft, sampler_module._draw(probs[len(draft)], generator)]
+    drawn = sampler_module._accept_drawn
 
-    monkeypatch.setattr(sampler_module, "_accept_random", keep_all)
+    def keep_all(draft, probs, request):
+        return [*draft, *drawn([], probs[len(draft) :], request)]
+
+    monkeypatch.setattr(sampler_module, "_accept_drawn", keep_all)
     assert p_value() < 1e-6
 
 
@@ -544,13 +550,13 @@ def test_a_draft_model_proposes_and_greedy_output_is_unchanged(tiny_checkpoint, 
     params = [
         SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, logprobs=1),
         SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
-        SamplingParams(temperature=0.8, max_tokens=30, seed=5),  # random: rejection sampling
+        SamplingParams(temperature=0.8, max_tokens=30, seed=5),  # random: drawn alike
         SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
     ]
     want, plain = _run(path, prompts, params, **options)
     spec = {"speculative_method": "draft", "speculative_model": str(tiny_checkpoint(draft))}
     got, core = _run(path, prompts, params, **spec, **options)
-    _assert_same([want[i] for i in (0, 1, 3)], [got[i] for i in (0, 1, 3)])
+    _assert_same(want, got)
     stats = core.stats().spec_decode
     assert stats["num_drafts"] > 10
     proposer = core.speculator.proposer
@@ -559,6 +565,44 @@ def test_a_draft_model_proposes_and_greedy_output_is_unchanged(tiny_checkpoint, 
         assert stats["acceptance_rate"] > 0.6 and core.stats().num_steps < plain.stats().num_steps
     if "max_model_len" in options:
         assert core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("draft", ["llama", "qwen2"])
+def test_a_draft_models_lag_is_the_catch_up_it_then_runs(tiny_checkpoint, draft):
+    path, other = str(tiny_checkpoint("llama")), str(tiny_checkpoint(draft))
+    llm = LLM(path, **SMALL, enable_prefix_caching=False, speculative_method="draft",
+              speculative_model=other)  # fmt: skip
+    proposer = llm.engine.core.speculator.proposer
+    propose, execute = proposer.propose, proposer.runner.execute
+    seen = []  # per call: each request's lag before it, and the rows of its first pass
+
+    def recorded(requests, num_tokens):
+        lags = {
+            r.request_id: proposer.lag(r) for r, k in zip(requests, num_tokens, strict=True) if k
+        }
+        passes = []
+
+        def run(out):
+            passes.append({s.request.request_id: s.num_new_tokens for s in out.scheduled})
+            return execute(out)
+
+        proposer.runner.execute = run
+        drafts = propose(requests, num_tokens)
+        proposer.runner.execute = execute
+        seen.append((lags, passes[0]))
+        return drafts
+
+    proposer.propose = recorded
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm.generate(prompts, params)
+    assert seen and all(lags == first for lags, first in seen)
+    firsts = [lag for lags, _ in seen for lag in lags.values()]
+    assert {len(p) + 1 for p in prompts} <= set(firsts)  # prompt and first token, at first
+    stats = llm.engine.core.stats().spec_decode  # llama: drafts kept; qwen2: rejected
+    kept = stats["num_accepted_tokens"]
+    assert kept > 0 if draft == "llama" else kept < stats["num_draft_tokens"]
+    assert proposer.lag(Request("new", [1, 2, 3], params, 10)) == 3
 
 
 def test_the_draft_model_finds_an_earlier_turns_kv_by_prefix(tiny_checkpoint):
@@ -661,14 +705,26 @@ def test_grammar_requests_verify_drafts_the_grammar_takes(tiny_checkpoint):
     assert core.stats().spec_decode["num_accepted_tokens"] > 60
 
 
-def test_a_seeded_random_request_with_drafts_repeats_itself(tiny_checkpoint):
-    path = tiny_checkpoint("llama")
-    params = SamplingParams(temperature=0.7, max_tokens=40, seed=11)
-    llm = LLM(str(path), **SMALL, speculative_method="ngram", prompt_lookup_min=1)
-    first = llm.generate([_prompts()[0]], params)[0].outputs[0]
-    again = llm.generate([_prompts()[0]], params)[0].outputs[0]
-    assert first.token_ids == again.token_ids
-    assert llm.engine.core.stats().spec_decode["num_drafts"] > 0
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_seeded_random_request_gives_the_same_tokens_with_drafts_as_without(
+    tiny_checkpoint, method
+):
+    path = str(tiny_checkpoint("llama"))
+    prompts = _prompts()
+    params = [SamplingParams(temperature=t, top_p=0.9, max_tokens=40, seed=11 + i)
+              for i, t in enumerate([0.7, 1.0, 1.3, 0.5])]  # fmt: skip
+    want = [o.outputs[0].token_ids for o in LLM(path, **SMALL).generate(prompts, params)]
+    # the draft model is the target itself: drawing with the target's noise, its drafts
+    # are the target's draws (greedy drafts would be kept as often as p(argmax))
+    spec = {"speculative_method": method, "prompt_lookup_min": 1, "speculative_model": path}
+    llm = LLM(path, **SMALL, **spec if method == "draft" else {**spec, "speculative_model": None})
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == want
+    stats = llm.engine.core.stats().spec_decode
+    assert stats["num_drafts"] > 0
+    if method == "draft":
+        assert stats["acceptance_rate"] > 0.9, stats
 
 
 def test_bad_speculative_options_are_refused_by_name():

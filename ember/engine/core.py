@@ -136,7 +136,7 @@ class EngineCore:
             for sequence_id in self._sequence_ids.get(request_id, [request_id]):
                 aborted = self.scheduler.abort(sequence_id)
                 if aborted is not None and self.speculator is not None:
-                    self.speculator.proposer.forget(aborted)
+                    self.speculator.forget(aborted, finished=False)
             self._forget(request_id)
             self.connector.drop_hold(request_id)  # a prefill the frontend will not hand over
 
@@ -263,7 +263,7 @@ class EngineCore:
                 if (features := step.features.get(sched.request.request_id)) is not None:
                     self.speculator.proposer.take_features(sched.request, *features)
             for request in finished:
-                self.speculator.proposer.forget(request)
+                self.speculator.forget(request)
         measured_ms = (time.perf_counter() - start) * 1e3
         self.step_cost.observe(shape, measured_ms)
         if self.speculator is not None:

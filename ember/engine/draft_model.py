@@ -14,9 +14,12 @@ A round of proposals, for the requests the speculator chose:
       time the whole prompt, then the accepted drafts and the target's last token),
       which also yields the first draft token (greedy: the draft's argmax)
     -> K - 1 decode steps, each yielding the next draft token
-Greedy drafts are a proposal with all its probability on one token, which is what the
-sampler's rejection sampling assumes (`Sampler.verify`), so random sampling keeps the
-target's distribution exactly.
+A greedy request's drafts are the draft model's argmax. A random request's are the
+draft model's own draws after the request's temperature, top-k, top-p and min-p, with
+the noise the target's draw at the same position will use (the mirror has the request's
+seed): the target keeps a draft where its own draw gives the same token
+(`Sampler.verify`), which the shared noise makes likely wherever the two models'
+distributions are near, and the output is the target's own draws whatever the drafts.
 """
 
 from __future__ import annotations
@@ -74,6 +77,24 @@ class DraftModelProposer(Proposer):
             del self._mirrors[request.request_id]
             self._new.discard(request.request_id)
 
+    def lag(self, request: Request) -> int:
+        entry = self._mirrors.get(request.request_id)
+        if entry is None or entry[0] is not request:
+            return request.num_tokens  # the whole context (less what the prefix cache has)
+        return request.num_tokens - self._valid(entry)
+
+    @staticmethod
+    def _valid(entry: tuple[Request, Request, int]) -> int:
+        """How much of the mirror's KV holds for the target's tokens now."""
+        request, mirror, agree = entry  # the target's tokens up to `agree` at the last sync
+        target = request.token_ids  # the drafts after them may differ
+        while agree < min(len(mirror.token_ids), len(target)) and (
+            mirror.token_ids[agree] == target[agree]
+        ):
+            agree += 1
+        # at least the last token is computed again: its logits give the first draft
+        return min(mirror.num_computed_tokens, agree, len(target) - 1)
+
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         want = {r.request_id: k for r, k in zip(requests, num_tokens, strict=True) if k > 0}
@@ -115,25 +136,31 @@ class DraftModelProposer(Proposer):
         if entry is None or entry[0] is not request:
             if entry is not None:
                 self.kv.free(entry[1])
-            mirror = Request(request.request_id, request.token_ids, GREEDY, 1 << 30)
+            mirror = Request(request.request_id, request.token_ids, _drafting(request), 1 << 30)
             mirror.cache_salt = request.cache_salt
             self._new.add(request.request_id)
             self._mirrors[request.request_id] = (request, mirror, 0)
             entry = self._mirrors[request.request_id]
-        _, mirror, synced = entry
-        agree = synced  # the target's tokens then; the drafts after them may differ
-        target = request.token_ids
-        while agree < min(len(mirror.token_ids), len(target)) and (
-            mirror.token_ids[agree] == target[agree]
-        ):
-            agree += 1
-        # at least the last token is computed again: its logits give the first draft
-        mirror.num_computed_tokens = min(mirror.num_computed_tokens, agree, len(target) - 1)
-        del mirror.token_ids[agree:]  # the drafts the target did not take
-        mirror.token_ids += target[agree:]  # and the target's new tokens: not a whole copy
+        mirror, target = entry[1], request.token_ids
+        mirror.num_computed_tokens = valid = self._valid(entry)
+        # the drafts the target did not take go, and the target's new tokens come (not a
+        # whole copy; the tokens up to `valid` agree)
+        mirror.token_ids[valid:] = target[valid:]
         # the blocks of the target's tokens (agreed, so never written again) are findable:
         # the next turn of a conversation finds its prompt's draft KV here
         if mirror.num_computed_tokens:
             self.kv.cache_blocks(mirror, mirror.num_computed_tokens)
         self._mirrors[request.request_id] = (request, mirror, len(target))
         return mirror
+
+
+def _drafting(request: Request) -> SamplingParams:
+    """How the draft model draws for `request`: greedy, or as the request samples, with
+    its seed (penalties and the rest change the target's distribution only)."""
+    p = request.sampling_params
+    if p.greedy:
+        return GREEDY
+    return SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        seed=request.seed, max_tokens=None,
+    )  # fmt: skip

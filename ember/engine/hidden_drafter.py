@@ -12,7 +12,9 @@ the target has computed n - 1, is:
     -> K - 1 passes of one row each, at n - 1, n, ...: the previous draft and the
       head's own output at the position before, each yielding the next draft.
 Rows the target computed for drafts it then rejected are dropped; the head's KV at the
-positions it drafted on its own is overwritten by the next round's catch-up.
+positions it drafted on its own is overwritten by the next round's catch-up. A greedy
+request's drafts are the head's argmax; a random request's, the head's draws with the
+noise the target's draw at the same position uses (as the draft model's: draft_model).
 
 The head's KV cache is one layer indexed by the target's block table (the same block
 ids, in tensors of its own), so it needs no block manager: blocks come and go with the
@@ -39,6 +41,7 @@ from ember.config import EngineConfig, ModelConfig
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner, Rows, batch_inputs
 from ember.engine.request import Request
+from ember.engine.sampler import position_noise, random_probs
 from ember.engine.speculative import Proposer
 from ember.kv import buffers as kv_buffers
 
@@ -46,7 +49,7 @@ logger = logging.getLogger("ember.engine")
 
 
 class HiddenStateProposer(Proposer):
-    """Drafts greedily with `head` (ember.models.eagle3.Eagle3ForCausalLM or
+    """Drafts with `head` (ember.models.eagle3.Eagle3ForCausalLM or
     ember.models.deepseek_v3.MTPDraftHead) over its one-layer KV cache `kv_caches`."""
 
     def __init__(
@@ -55,9 +58,11 @@ class HiddenStateProposer(Proposer):
         kv: KVCacheManager,
         kv_caches: list[torch.Tensor],
         device: torch.device,
+        vocab_size: int,
         on_close=None,
     ) -> None:
         self.head, self.kv, self.kv_caches, self.device = head, kv, kv_caches, device
+        self.vocab_size = vocab_size  # the target's logits, each draw's noise
         self._on_close = on_close
         # the target's rows not yet read by the head: (first position, rows) in order
         self._pending: weakref.WeakKeyDictionary[Request, list[tuple[int, torch.Tensor]]] = (
@@ -71,6 +76,10 @@ class HiddenStateProposer(Proposer):
 
     def forget(self, request: Request) -> None:
         self._pending.pop(request, None)
+
+    def lag(self, request: Request) -> int:
+        _, run = _last_run(self._pending.get(request, []), request.num_computed_tokens)
+        return sum(len(rows) for rows in run)
 
     def take_features(self, request: Request, start: int, rows: torch.Tensor) -> None:
         pending = self._pending.setdefault(request, [])
@@ -98,7 +107,7 @@ class HiddenStateProposer(Proposer):
         last = self._run(rows[: len(decodes)], rows[len(decodes) :], hidden)
         step = 1
         while True:
-            tokens = self.head.draft_tokens(last).tolist()
+            tokens = self._draw(last, [entry.request for entry in batch], step - 1)
             for entry, token in zip(batch, tokens, strict=True):
                 drafts[entry.request.request_id].append(token)
             keep = [i for i, entry in enumerate(batch) if entry.k > step]
@@ -119,17 +128,8 @@ class HiddenStateProposer(Proposer):
     def _catch_up(self, request: Request, k: int) -> _CatchUp | None:
         """The request's catch-up, or None when the target computed nothing the head
         has not read (no drafts then)."""
-        end = request.num_computed_tokens  # the target's states from here on were drafts
-        run: list[torch.Tensor] = []  # the last contiguous run of rows before `end`
-        start = after = -1
-        for first, rows in self._pending.pop(request, []):
-            rows = rows[: max(end - first, 0)]
-            if not len(rows):
-                continue
-            if first != after:
-                start, run = first, []  # a gap (states the target never handed over)
-            run.append(rows)
-            after = first + len(rows)
+        end = request.num_computed_tokens
+        start, run = _last_run(self._pending.pop(request, []), end)
         if not run:
             return None
         hidden = torch.cat(run)
@@ -142,6 +142,24 @@ class HiddenStateProposer(Proposer):
             request, k, Rows(tokens, start, self.kv.block_ids(request.request_id)), hidden
         )
 
+    def _draw(self, prenorm: torch.Tensor, requests: list[Request], ahead: int) -> list[int]:
+        """The draft of each row (a target token id), `ahead` past the requests' known
+        tokens: greedy, or a random request's draw with the noise the target's draw at
+        that position will use (ember.engine.sampler.position_noise)."""
+        logits = self.head.draft_logits(prenorm).float()
+        tokens = logits.argmax(dim=-1)
+        ids = self.head.draft_ids  # each logit's target token id (None: the same)
+        drawn = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if drawn:
+            probs = random_probs(logits[drawn], [requests[i] for i in drawn])
+            for row, i in zip(probs, drawn, strict=True):
+                request = requests[i]
+                position = request.num_tokens + ahead
+                noise = position_noise(request.seed, position, self.vocab_size, row.device)
+                noise = noise if ids is None else noise[ids.to(row.device)]
+                tokens[i] = (row / noise).argmax()
+        return (tokens if ids is None else ids[tokens]).tolist()
+
     def _run(self, decodes: list[Rows], prefills: list[Rows], hidden: torch.Tensor):
         """The head's output (before its norm) at each sequence's last row."""
         ids, positions, meta, sample_idx = batch_inputs(
@@ -151,6 +169,22 @@ class HiddenStateProposer(Proposer):
         self.num_passes += 1
         self.num_rows += len(ids)
         return out[sample_idx]
+
+
+def _last_run(pending: list[tuple[int, torch.Tensor]], end: int) -> tuple[int, list[torch.Tensor]]:
+    """The last contiguous run of the `pending` rows before position `end` (the
+    target's states from there on were of drafts), and its first position."""
+    run: list[torch.Tensor] = []
+    start = after = -1
+    for first, rows in pending:
+        rows = rows[: max(end - first, 0)]
+        if not len(rows):
+            continue
+        if first != after:
+            start, run = first, []  # a gap (states the target never handed over)
+        run.append(rows)
+        after = first + len(rows)
+    return start, run
 
 
 @dataclass
@@ -213,7 +247,9 @@ def eagle3_proposer(
     stack.capture_layers = frozenset(layers)
     target.features = lambda _: head.combine(torch.cat(stack.captured, dim=-1))
     logger.info("EAGLE-3 head %s over layers %s", config.speculative_model, sorted(layers))
-    return HiddenStateProposer(head, kv, runner.kv_caches, runner.device, runner.free_kv_cache)
+    return HiddenStateProposer(
+        head, kv, runner.kv_caches, runner.device, model.vocab_size, runner.free_kv_cache
+    )
 
 
 def mtp_proposer(target: ModelRunner, kv: KVCacheManager) -> HiddenStateProposer:
@@ -231,4 +267,4 @@ def mtp_proposer(target: ModelRunner, kv: KVCacheManager) -> HiddenStateProposer
     kv_caches, _ = kv_buffers.allocate(shape, 1, target.dtype, target.device, shm=False)
     target.features = head.combine
     logger.info("MTP drafter: the model's multi-token-prediction layer")
-    return HiddenStateProposer(head, kv, kv_caches, target.device)
+    return HiddenStateProposer(head, kv, kv_caches, target.device, target.model_config.vocab_size)

@@ -75,10 +75,13 @@ class Request:
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV-cache manager
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
-        self.generator: torch.Generator | None = None
+        # a random request's draws: noise seeded by this and the position drawn at
+        # (ember.engine.sampler.position_noise), its own seed or one drawn for it
+        self.seed: int | None = None
+        if not self.sampling_params.greedy:
+            seed = self.sampling_params.seed
+            self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
         self.handed_over: RemotePrefill | None = None  # set when finished and held
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
         self.prompt_logprobs: PromptLogprobs | None = None  # collected so far, if asked for
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = PromptLogprobs()

@@ -4,9 +4,12 @@ Order of operations per row: the request's logit bias, penalties (repetition ove
 and output, presence and frequency over output), the grammar mask of a constrained
 request, the min_tokens mask (EOS and stop token ids, while the output is shorter; never
 the last token a grammar allows), then greedy argmax or temperature -> top-k -> top-p ->
-min-p -> a draw. Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples from p exactly; a
-seeded request draws its noise from its own generator only, so its output does not
-depend on what else is in the batch.
+min-p -> a draw. Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which
+samples from p exactly. The noise E of a request's draw at token position n is seeded by
+the request's seed (its own, or one drawn for it when it came) and n alone
+(`position_noise`), so the token at a position depends on nothing but the tokens before
+it: not on the batch, nor on how steps grouped its tokens (drafts verified together,
+a preemption, a prefill on another worker).
 
 Log-probabilities returned are the model's own (log-softmax of the raw logits).
 """
@@ -51,11 +54,13 @@ class Sampler:
 
         Row i of a request is processed as if its first i drafts were output already
         (penalties, min_tokens). Greedy: a draft is accepted while it equals the row's
-        argmax, so the output equals decoding without drafts. Random: rejection sampling
-        against a proposal that put all its probability on the draft (Leviathan et al.
-        2023): draft d is accepted with probability p(d), else the token is drawn from p
-        without d; the output is distributed exactly as p's draws would be. Returns
-        (tokens, logprobs: an entry per token, or None) per request."""
+        argmax. Random: a draft is accepted while it equals the row's own draw, with the
+        noise of that row's position. Either way the output is what decoding without
+        drafts gives, token for token, so its distribution is the model's exactly. (A
+        draft that does not depend on the row's noise is kept with probability p(draft),
+        as Leviathan et al.'s rejection sampling keeps it; a draft model drawing with
+        the same noise from its own distribution q is kept more often the nearer q is
+        to p.) Returns (tokens, logprobs: an entry per token, or None) per request."""
         rows = []
         for request, draft in zip(requests, drafts, strict=True):
             grammar = request.grammar
@@ -73,8 +78,7 @@ class Sampler:
                 accepted = _accept_greedy(draft, [targets[i] for i in span])
             else:
                 probs = random_probs(logits[span.start : span.stop], [request] * len(span))
-                probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unscaled
-                accepted = _accept_random(draft, probs, request.generator)
+                accepted = _accept_drawn(draft, probs, request)
             tokens.append(accepted)
             logprobs.append(
                 None
@@ -97,7 +101,6 @@ class _Row:
         self.request, self.drafts = request, drafts
         self.sampling_params = request.sampling_params
         self.grammar = mask or request.grammar  # undrafted requests: the matcher as it is
-        self.generator = request.generator
 
     @property
     def token_ids(self) -> list[int]:
@@ -134,24 +137,31 @@ def _accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
     return [*draft, targets[len(draft)]]
 
 
-def _accept_random(
-    draft: list[int], probs: torch.Tensor, generator: torch.Generator | None
-) -> list[int]:
-    """Rejection sampling of `draft` against the rows' distributions `probs`."""
-    for i, token in enumerate(draft):
-        u = torch.rand((), generator=generator, device=probs.device)
-        if bool(u < probs[i, token]):
-            continue
-        residual = probs[i].clone()
-        residual[token] = 0.0  # p without the draft; its draw renormalizes
-        return [*draft[:i], _draw(residual, generator)]
-    return [*draft, _draw(probs[len(draft)], generator)]
+def _accept_drawn(draft: list[int], probs: torch.Tensor, request: Request) -> list[int]:
+    """The drafts equal to the row's own draw (the noise of its position), then that
+    draw; rows past the first draft that differs are not drawn."""
+    for i in range(len(draft) + 1):
+        noise = position_noise(request.seed, request.num_tokens + i, probs.shape[-1], probs.device)
+        token = int((probs[i] / noise).argmax())
+        if i == len(draft) or token != draft[i]:
+            return [*draft[:i], token]
+    raise AssertionError("unreachable")
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from unnormalized probabilities (the exponential race, as sample_random)."""
-    noise = torch.empty(probs.shape[-1]).exponential_(generator=generator).to(probs.device)
-    return int((probs / noise).argmax())
+def position_noise(seed: int, position: int, size: int, device=None) -> torch.Tensor:
+    """Exp(1) noise of a draw at token `position` by a request seeded `seed`, made on
+    `device` (its generator's: the same numbers on every device of a kind)."""
+    generator = torch.Generator(device=device or "cpu").manual_seed(_mix(seed, position))
+    return torch.empty(size, device=device).exponential_(generator=generator)
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit seed from (seed, position), well spread (SplitMix64's finalizer)."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
 
 
 def _raw_logprobs(logits: torch.Tensor, requests) -> torch.Tensor | None:
@@ -238,13 +248,8 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
 def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Draws one token per row after temperature, top-k, top-p and min-p."""
     probs = random_probs(logits, requests)
-    noise = torch.empty_like(probs)
-    for i, request in enumerate(requests):
-        if request.generator is None:
-            noise[i].exponential_()
-        else:
-            row = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
-            noise[i] = row.to(probs.device)
+    size, device = probs.shape[1], probs.device
+    noise = torch.stack([position_noise(r.seed, r.num_tokens, size, device) for r in requests])
     return (probs / noise).argmax(dim=-1)
 
 

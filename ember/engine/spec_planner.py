@@ -21,8 +21,9 @@ none, the step decodes without drafts.
 
 `DecodeCosts` keeps the measured time of each (sequences, rows) seen in decode-only
 steps; one not seen yet is interpolated between the nearest seen ones of the same
-sequences, or extended from them (beyond the last, by the slope between the last two),
-or taken from the engine's linear `StepCostModel`. The plan tries what its estimate
+sequences, or extended from them (beyond the last, by the slope between the last two;
+from a single one, by the cost of a row more measured at the nearest other batch size,
+or the engine's linear `StepCostModel`'s), or taken from that model. The plan tries what its estimate
 favours, and what it tries is measured, so wrong estimates are corrected by the next
 step that uses them; it reaches at most one draft per sequence past the most rows
 measured at the batch size, so that a wrong estimate costs little (4 drafts each at
@@ -30,12 +31,24 @@ once, on the numbers above, cost as much as 3.6 plain steps). The step without d
 the rate every plan is measured against, is measured first: a batch size never seen
 decoding without drafts decodes one step without them.
 
+A proposer that runs a model first catches up over every token of a request it has not
+computed (`Proposer.lag`: a draft model's, the whole context the first time it drafts
+for the request, then what the target decoded while it did not draft). That catch-up
+is an investment: once made, the request drafts at the price of its drafts alone for
+the rest of its reply. So the plan charges a request's first draft with its catch-up
+rows spread over the steps it is expected to decode still (the tokens it has left,
+under its `max_tokens` and as long as recent replies ran, over the tokens a step of
+its drafts yields).
+
 Requests left without drafts keep their acceptance estimate; after `PROBE_EVERY` steps
 that left some out, those get one draft, so that an estimate that has gone stale (a
 reply that turned from prose to quoting its context) comes back; each probe doubles the
 wait (up to `PROBE_MAX`), and the wait is stretched by what the last probe's proposing
-cost in decode steps (a draft model first catches up over every token since it last
-drafted); a plan that leaves none out resets it.
+cost in decode steps; a plan that leaves none out resets it. A probe is for learning,
+not for its tokens, so only requests whose whole catch-up costs at most `PROBE_COST` of
+a decode step are probed (measured with a 0.5B draft model for a 1.5B target on two
+cores: probes that caught up over ~150 tokens of three replies cost 850 ms, six
+steps, and at 4 sequences at once such probes were most of what the draft model lost).
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from ember.engine.step_cost import FadingLeastSquares, StepCostModel, StepShape
 PROBE_EVERY = 32  # steps that left a request's drafts out, then one draft each
 PROBE_MAX = 256  # the wait doubles at each probe, up to this (back to PROBE_EVERY when
 # a plan leaves no request out)
+PROBE_COST = 0.5  # a request is probed when its catch-up costs at most this many steps
 MARGIN = 0.02  # a plan with drafts must beat none by this share (noise)
 
 
@@ -88,11 +102,23 @@ class DecodeCosts:
         else:  # extended from the two nearest (or the linear model's cost per row)
             near = sorted(below or above, key=lambda r: abs(r - num_rows))[:2]
             if len(near) == 1:
-                slope = self.fallback.coefficients[2]  # ms per decode row
+                slope = self._row_slope(num_seqs)
                 return max(seen[near[0]] + slope * (num_rows - near[0]), 0.0)
             lo, hi = sorted(near)
         slope = (seen[hi] - seen[lo]) / (hi - lo)
         return max(seen[lo] + slope * (num_rows - lo), 0.0)
+
+    def _row_slope(self, num_seqs: int) -> float:
+        """The cost of a row more in a step of `num_seqs` sequences, measured at least
+        twice only at other batch sizes: the slope over the first rows past their plain
+        step at the nearest such batch size (a verification row's cost is arithmetic,
+        much alike at any batch size), else the linear model's cost per decode row."""
+        others = [b for b, seen in self._ms.items() if len(seen) > 1 and b != num_seqs]
+        if not others:
+            return self.fallback.coefficients[2]
+        seen = self._ms[min(others, key=lambda b: (abs(b - num_seqs), b))]
+        lo, hi = sorted(seen)[:2]
+        return max((seen[hi] - seen[lo]) / (hi - lo), 0.0)
 
 
 class DraftPlanner:
@@ -111,16 +137,25 @@ class DraftPlanner:
         # its proposing is timed
 
     def plan(
-        self, num_decoding: int, caps: Sequence[int], acceptance: Sequence[float]
+        self,
+        num_decoding: int,
+        caps: Sequence[int],
+        acceptance: Sequence[float],
+        lags: Sequence[int] | None = None,
+        tokens_left: Sequence[float] | None = None,
     ) -> list[int]:
         """Drafts for each of the requests that may draft (at most `caps[i]`, accepted
         with probability `acceptance[i]` each), in a step where `num_decoding`
-        sequences decode."""
+        sequences decode; the proposer first catches up over `lags[i]` tokens of a
+        request, which is expected to decode `tokens_left[i]` tokens more."""
         b = num_decoding
         if not self.decode_costs.seen(b, b):  # first the rate to beat
             return [0] * len(caps)
+        lags = lags or [0] * len(caps)
+        tokens_left = tokens_left or [float(cap) for cap in caps]
         reach = self.decode_costs.most_rows(b)  # then one draft each past it, at most
-        best_rate = b / max(self.decode_costs.predict(b, b), 1e-6)
+        base_ms = self.decode_costs.predict(b, b)
+        best_rate = b / max(base_ms, 1e-6)
         threshold = best_rate * (1 + MARGIN)
         # the drafts best value first: each request's next one, a^(j+1) after a^j
         heap = [(-a, i) for i, (cap, a) in enumerate(zip(caps, acceptance, strict=True)) if cap]
@@ -135,6 +170,10 @@ class DraftPlanner:
             counts[i] += 1
             if counts[i] < caps[i]:
                 heapq.heappush(heap, (-value * acceptance[i], i))
+            if counts[i] == 1 and lags[i]:
+                # its catch-up, spread over its steps left (each yields what its drafts keep)
+                per_step = 1 + _kept(acceptance[i], caps[i])
+                proposed_rows += lags[i] * per_step / max(tokens_left[i], per_step)
             passes = max(passes, counts[i])
             gained += value
             proposed_rows += 1 + value  # a draft's row, and the catch-up of what is kept
@@ -150,10 +189,19 @@ class DraftPlanner:
         self._left_out += 1
         if self._left_out >= self.probe_every * self._probe_scale:
             self._left_out = 0
-            self.probe_every = min(2 * self.probe_every, PROBE_MAX)
-            self._probe_step_ms = self.decode_costs.predict(b, b)
-            ks = [k or 1 for k in ks]
+            probed = [
+                k or int(self._catch_up_ms(lag) <= PROBE_COST * base_ms)
+                for k, lag in zip(ks, lags, strict=True)
+            ]
+            if probed != ks:
+                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+                self._probe_step_ms = base_ms
+                ks = probed
         return ks
+
+    def _catch_up_ms(self, lag: int) -> float:
+        """The proposer's predicted time for a pass over `lag` tokens and one draft."""
+        return self.propose_cost.predict(np.array([1.0, 1.0, lag + 1.0]))
 
     def observe_proposal(self, num_passes: int, num_rows: int, ms: float) -> None:
         """The proposer's time for a call that ran `num_passes` forward passes over
@@ -167,3 +215,9 @@ class DraftPlanner:
         """A step's measured time (decode-only steps are kept)."""
         if shape.num_prefill_tokens == 0:
             self.decode_costs.observe(num_seqs, shape.num_decode_rows, ms)
+
+
+def _kept(acceptance: float, num_drafts: int) -> float:
+    """The expected drafts kept of `num_drafts`, each accepted with `acceptance` given
+    those before it were."""
+    return sum(acceptance**j for j in range(1, num_drafts + 1))

@@ -6,8 +6,9 @@ such a request 1 + K decode rows: its known token and its K drafts, at consecuti
 positions, each row attending to the context up to itself (the KV of all rows is
 written before any row attends, so the rows are causal among themselves). The sampler
 verifies the rows' logits (`Sampler.verify`: greedy keeps drafts while they equal the
-target's argmax; random sampling uses rejection sampling, so the output distribution
-is the target model's), and the scheduler commits the accepted drafts plus one token of
+target's argmax; a random request's while they equal the target's own draw at that
+position, whose noise depends on the request's seed and the position alone, so the
+output is the target model's, token for token), and the scheduler commits the accepted drafts plus one token of
 the target's own; the KV of rejected drafts is left behind `num_computed_tokens`, to be
 overwritten, and never enters the prefix cache.
 
@@ -57,6 +58,8 @@ COOLDOWN_STEPS = (8, 64)  # steps without drafts after acceptance fell to 0: fir
 ACCEPTANCE_FADE = 0.8  # a request's acceptance counts fade by this at each verification
 GLOBAL_FADE = 0.995  # all requests' counts
 PRIOR_WEIGHT = 2.0  # all requests' rate counts as this many verifications of a new one
+REPLY_TOKENS = 128.0  # a reply's expected length before any has finished
+REPLY_FADE = 0.8  # each finished reply moves the expected length by 1 - this
 
 
 class Proposer(ABC):
@@ -74,6 +77,11 @@ class Proposer(ABC):
 
     def forget(self, request: Request) -> None:  # noqa: B027 - most proposers keep nothing
         """The request ended (finished or aborted): what the proposer keeps for it goes."""
+
+    def lag(self, request: Request) -> int:
+        """The tokens of `request` the proposer would compute before drafting for it now
+        (a draft model's catch-up over what the target decoded since it last drafted)."""
+        return 0
 
     def take_features(self, request: Request, start: int, rows: torch.Tensor) -> None:  # noqa: B027
         """The target's `ModelRunner.features` rows of `request` from position `start`
@@ -218,6 +226,7 @@ class Speculator:
         self.stats = SpecStats()
         self._budgets: weakref.WeakKeyDictionary[Request, _Budget] = weakref.WeakKeyDictionary()
         self._accepted = self._rejected = 0.0  # all requests', fading (GLOBAL_FADE)
+        self._reply_tokens = REPLY_TOKENS  # finished replies' length, fading (REPLY_FADE)
 
     def propose(self, requests: Sequence[Request], max_model_len: int) -> dict[str, list[int]]:
         """Drafts for those of `requests` (running, decoding) that take them now: none
@@ -225,15 +234,17 @@ class Speculator:
         limit = self.disable_by_batch_size
         if limit is not None and len(requests) >= limit:
             return {}
-        chosen, ks = [], []
+        chosen, ks, lefts = [], [], []
         for request in requests:
-            k = self._k(request, max_model_len)
+            k, left = self._k(request, max_model_len)
             if k > 0:
                 chosen.append(request)
                 ks.append(k)
+                lefts.append(min(left, self._reply_tokens))  # as long as recent replies
         if self.planner is not None and chosen:
             acceptance = [self.acceptance(request) for request in chosen]
-            planned = self.planner.plan(len(requests), ks, acceptance)
+            lags = [self.proposer.lag(request) for request in chosen]
+            planned = self.planner.plan(len(requests), ks, acceptance, lags, lefts)
             chosen = [r for r, k in zip(chosen, planned, strict=True) if k > 0]
             ks = [k for k in planned if k > 0]
         drafts = self._run_proposer(chosen, ks) if chosen else []
@@ -265,25 +276,34 @@ class Speculator:
         seen = budget.accepted + budget.rejected
         return (budget.accepted + PRIOR_WEIGHT * overall) / (seen + PRIOR_WEIGHT)
 
-    def _k(self, request: Request, max_model_len: int) -> int:
-        # the last token of a step is the target's own, within the context
+    def _k(self, request: Request, max_model_len: int) -> tuple[int, int]:
+        """The drafts the request's budget allows now, and the tokens it may decode."""
         left = min(
             request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens
         )
-        left -= 1
-        if left <= 0:
-            return 0
+        # the last token of a step is the target's own, within the context
+        if left <= 1:
+            return 0, left
         budget = self._budget(request)
         if budget.cooldown:
             budget.cooldown -= 1
-            return 0
-        return min(budget.k, left)
+            return 0, left
+        return min(budget.k, left - 1), left
 
     def _budget(self, request: Request) -> _Budget:
         budget = self._budgets.get(request)
         if budget is None:
             budget = self._budgets[request] = _Budget(self.num_tokens)
         return budget
+
+    def forget(self, request: Request, finished: bool = True) -> None:
+        """The request ended: the proposer forgets it; a reply that finished (not
+        aborted) updates how long replies run."""
+        self.proposer.forget(request)
+        if finished:
+            self._reply_tokens += (1 - REPLY_FADE) * (
+                request.num_output_tokens - self._reply_tokens
+            )
 
     def observe_step(self, shape: StepShape, num_seqs: int, ms: float) -> None:
         """The time of a step of `num_seqs` sequences (what drafts cost, for the plan)."""

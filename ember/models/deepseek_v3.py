@@ -139,8 +139,10 @@ class MTPDraftHead(nn.Module):
         x, residual = mtp.layer(x, None, kv_caches[0], meta, cos_sin)
         return (x + residual).to(dtype)
 
-    def draft_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
-        return self.target[0].lm_head(self.mtp.shared_head_norm(prenorm)).argmax(dim=-1)
+    draft_ids = None  # its logits are over the model's own vocabulary
+
+    def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.target[0].lm_head(self.mtp.shared_head_norm(prenorm))
 
 
 # checkpoint names that are not this model's: a multimodal wrapper's vision parts, and

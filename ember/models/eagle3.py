@@ -88,10 +88,14 @@ class Eagle3ForCausalLM(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions, dtype)
         return self.layer(embeds, hidden, kv_caches[0], meta, cos_sin).to(dtype)
 
-    def draft_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """The greedy draft (a target token id) of each row."""
-        best = self.lm_head(self.norm(prenorm)).argmax(dim=-1)
-        return best + self.d2t[best]
+    def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Each row's logits over the draft vocabulary (`draft_ids` maps them)."""
+        return self.lm_head(self.norm(prenorm))
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """The target's token id of each draft vocabulary entry."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def pack_for_cpu(self, bf16_prefill: bool = False, weight_dtype=None) -> None:
         for module in self.modules():

@@ -54,7 +54,13 @@ FIELDS: tuple[RequestField, ...] = (
     _honoured("n", BOTH, "1-128"),
     _honoured("temperature", BOTH, "0-2; 0 is greedy"),
     _honoured("top_p", BOTH, "(0, 1]"),
-    _honoured("seed", BOTH, "any int64; the n choices get seed, seed + 1, ..."),
+    _honoured(
+        "seed",
+        BOTH,
+        "any int64; the n choices get seed, seed + 1, ...; the tokens depend on the seed "
+        "and the prompt only (not the batch, speculative drafts, a preemption or the "
+        "worker that decodes)",
+    ),
     _honoured("stop", BOTH, "up to 64 strings of up to 1024 characters"),
     _honoured("presence_penalty", BOTH, "-2 to 2"),
     _honoured("frequency_penalty", BOTH, "-2 to 2"),
