@@ -6,7 +6,9 @@
 One engine (prefix caching off, so every method computes the same prompts) serves the
 same prompts with each method in turn, the order rotating each round, at batch 1 (one
 request at a time) and 4 at once: output tokens per second end to end (prefill
-included), drafts accepted, and whether every method's greedy output equals `none`'s.
+included; at 4 at once, the time of the longest reply of each 4), the mean time from
+the start of a run to each reply's end (what drafts do for each request's own wait),
+drafts accepted, and whether every method's greedy output equals `none`'s.
 Prompts (`--kind`): `edit`, code that the reply must give back changed (a rename in
 one of ember's own source files as of commit SOURCE: replies that quote their context),
 and `chat`, plain questions answered in prose. The adaptive mode plans each step's
@@ -55,11 +57,25 @@ def prompts(kind: str) -> list[list[dict]]:
     return out
 
 
-def run(llm: LLM, conversations, params, concurrency: int) -> tuple[float, list]:
+def run(llm: LLM, conversations, params, concurrency: int) -> tuple[float, float, list]:
+    """(seconds in all, mean seconds from the start to each reply's end, outputs)."""
+    core, ends = llm.engine.core, []
+    step = core.step
+
+    def timed_step():  # when each reply ends
+        outputs = step()
+        ends.extend(time.perf_counter() for o in outputs if o.finish_reason is not None)
+        return outputs
+
+    core.step = timed_step
     start, outs = time.perf_counter(), []
-    for i in range(0, len(conversations), concurrency):
-        outs += llm.chat(conversations[i : i + concurrency], params)
-    return time.perf_counter() - start, outs
+    try:
+        for i in range(0, len(conversations), concurrency):
+            outs += llm.chat(conversations[i : i + concurrency], params)
+    finally:
+        core.step = step
+    wall = time.perf_counter() - start
+    return wall, sum(t - start for t in ends) / max(len(ends), 1), outs
 
 
 def main() -> None:
@@ -108,10 +124,11 @@ def main() -> None:
                 for method in order:
                     core.speculator = speculators[method]
                     before = core.speculator.stats.as_dict() if core.speculator else None
-                    wall, outs = run(llm, prompts(kind), params, concurrency)
+                    wall, latency, outs = run(llm, prompts(kind), params, concurrency)
                     outputs[method] = [o.outputs[0].token_ids for o in outs]
                     line = f"{round_ + 1} {kind} c{concurrency} {method:6} "
-                    line += f"{sum(map(len, outputs[method])) / wall:7.1f} output tok/s"
+                    line += f"{sum(map(len, outputs[method])) / wall:7.1f} output tok/s, "
+                    line += f"replies end {latency:5.1f} s in on average"
                     if core.speculator is not None:
                         after = core.speculator.stats.as_dict()
                         drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
