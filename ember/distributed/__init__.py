@@ -1,0 +1,1 @@
+"""One model across processes: communication among ranks (issue 18)."""
