@@ -23,13 +23,13 @@ none, the step decodes without drafts.
 steps; one not seen yet is interpolated between the nearest seen ones of the same
 sequences, or extended from them (beyond the last, by the slope between the last two;
 from a single one, by the cost of a row more measured at the nearest other batch size,
-or the engine's linear `StepCostModel`'s), or taken from that model. The plan tries what its estimate
-favours, and what it tries is measured, so wrong estimates are corrected by the next
-step that uses them; it reaches at most one draft per sequence past the most rows
-measured at the batch size, so that a wrong estimate costs little (4 drafts each at
-once, on the numbers above, cost as much as 3.6 plain steps). The step without drafts,
-the rate every plan is measured against, is measured first: a batch size never seen
-decoding without drafts decodes one step without them.
+or the engine's linear `StepCostModel`'s), or taken from that model. The plan tries
+what its estimate favours, and what it tries is measured, so wrong estimates are
+corrected by the next step that uses them; it reaches at most one draft per sequence
+past the most rows measured at the batch size, so that a wrong estimate costs little
+(4 drafts each at once, on the numbers above, cost as much as 3.6 plain steps). The
+step without drafts, the rate every plan is measured against, is measured first: a
+batch size never seen decoding without drafts decodes one step without them.
 
 A proposer that runs a model first catches up over every token of a request it has not
 computed (`Proposer.lag`: a draft model's, the whole context the first time it drafts
