@@ -147,18 +147,18 @@ class HiddenStateProposer(Proposer):
         tokens: greedy, or a random request's draw with the noise the target's draw at
         that position will use (ember.engine.sampler.position_noise)."""
         logits = self.head.draft_logits(prenorm).float()
-        tokens = logits.argmax(dim=-1)
-        ids = self.head.draft_ids  # each logit's target token id (None: the same)
+        tokens = logits.argmax(dim=-1)  # indices into the head's vocabulary
         drawn = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if drawn:
+            ids = self.head.draft_ids  # each logit's target token id (None: the same)
             probs = random_probs(logits[drawn], [requests[i] for i in drawn])
             for row, i in zip(probs, drawn, strict=True):
                 request = requests[i]
                 position = request.num_tokens + ahead
                 noise = position_noise(request.seed, position, self.vocab_size, row.device)
-                noise = noise if ids is None else noise[ids.to(row.device)]
+                noise = noise if ids is None else noise[ids]
                 tokens[i] = (row / noise).argmax()
-        return (tokens if ids is None else ids[tokens]).tolist()
+        return self.head.target_ids(tokens).tolist()
 
     def _run(self, decodes: list[Rows], prefills: list[Rows], hidden: torch.Tensor):
         """The head's output (before its norm) at each sequence's last row."""

@@ -144,6 +144,9 @@ class MTPDraftHead(nn.Module):
     def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         return self.target[0].lm_head(self.mtp.shared_head_norm(prenorm))
 
+    def target_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices
+
 
 # checkpoint names that are not this model's: a multimodal wrapper's vision parts, and
 # the copies of the embedding and output head in multi-token-prediction layers

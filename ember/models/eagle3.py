@@ -92,10 +92,14 @@ class Eagle3ForCausalLM(nn.Module):
         """Each row's logits over the draft vocabulary (`draft_ids` maps them)."""
         return self.lm_head(self.norm(prenorm))
 
+    def target_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """The target's token ids of draft vocabulary entries."""
+        return indices + self.d2t[indices]
+
     @property
     def draft_ids(self) -> torch.Tensor:
         """The target's token id of each draft vocabulary entry."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return self.target_ids(torch.arange(len(self.d2t), device=self.d2t.device))
 
     def pack_for_cpu(self, bf16_prefill: bool = False, weight_dtype=None) -> None:
         for module in self.modules():
