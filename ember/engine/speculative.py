@@ -8,9 +8,9 @@ written before any row attends, so the rows are causal among themselves). The sa
 verifies the rows' logits (`Sampler.verify`: greedy keeps drafts while they equal the
 target's argmax; a random request's while they equal the target's own draw at that
 position, whose noise depends on the request's seed and the position alone, so the
-output is the target model's, token for token), and the scheduler commits the accepted drafts plus one token of
-the target's own; the KV of rejected drafts is left behind `num_computed_tokens`, to be
-overwritten, and never enters the prefix cache.
+output is the target model's, token for token), and the scheduler commits the accepted
+drafts plus one token of the target's own; the KV of rejected drafts is left behind
+`num_computed_tokens`, to be overwritten, and never enters the prefix cache.
 
 Proposers (behind `Proposer.propose`):
 - `draft` (ember.engine.draft_model): a smaller model with the same tokenizer, with its
