@@ -399,9 +399,17 @@ class EngineConfig:
     # ngram: the shortest and longest suffix looked up in the request's earlier tokens
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # one model over this many processes (tensor parallel, ember.distributed): rank 0 in
+    # the engine core, the others started by it; each rank holds its share of every
+    # weight matrix and of the KV heads, and its share of the cores. kv_cache_memory is
+    # per rank (by default the ranks split the share of host memory)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("min_prefill_tokens", self.min_prefill_tokens)
@@ -494,6 +502,14 @@ class EngineConfig:
                 "disaggregated workers run on CPU for now; pass device cpu"
             )
 
+    def _check_tensor_parallel(self) -> None:
+        refused = _tensor_parallel_refusals(self)
+        if refused:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
+                f"{', '.join(refused)} yet"
+            )
+
     def resolve_device(self) -> torch.device:
         import torch
 
@@ -507,6 +523,20 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+def _tensor_parallel_refusals(config: EngineConfig) -> list[str]:
+    """What runs on one rank only for now (the KV connectors and hidden-state drafters
+    read and write rank 0's KV and hidden states alone)."""
+    refused = []
+    if config.kv_role != "mixed":
+        refused.append(f"kv_role {config.kv_role!r} (disaggregation)")
+    for name in ("kv_offload_memory", "kv_disk_dir", "kv_store"):
+        if getattr(config, name) is not None:
+            refused.append(f"{name} (KV tiers)")
+    if config.speculative_method in ("eagle3", "mtp"):
+        refused.append(f"speculative_method {config.speculative_method!r}")
+    return refused
 
 
 def _positive(name: str, value: int) -> None:

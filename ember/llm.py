@@ -26,6 +26,17 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stops what the engine started (other ranks, KV endpoints, threads); also on
+        leaving a `with LLM(...) as llm:` block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

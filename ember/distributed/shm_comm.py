@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import platform
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ class ShmCommunicator:
         self.max_bytes = max_bytes
         self.enabled = ORDERED_STORES and os.path.isdir(SHM_DIR) and self.world_size > 1
         self.num_calls = 0
+        # called every CHECK_SPINS spins of a wait: raises if a peer is gone (else the
+        # wait would spin forever; ember.distributed.executor watches the processes)
+        self.check: Callable[[], None] | None = None
         if not self.enabled:
             return
         header = 2 * self.world_size * 8  # int64 counters: written, read
@@ -104,12 +108,12 @@ class ShmCommunicator:
         (valid until `_done`)."""
         self.num_calls += 1
         call, rank = self.num_calls, self.rank
-        _wait(self._read, call - 1)  # the slots of the call before are free
+        _wait(self._read, call - 1, self.check)  # the slots of the call before are free
         num_bytes = tensor.numel() * tensor.element_size()
         flat = tensor.reshape(-1)
         self._slots[rank, :num_bytes].copy_(flat.view(torch.uint8))
         self._written[rank] = call
-        _wait(self._written, call)
+        _wait(self._written, call, self.check)
         return [
             self._slots[r, :num_bytes].view(tensor.dtype).view(-1) for r in range(self.world_size)
         ]
@@ -118,7 +122,15 @@ class ShmCommunicator:
         self._read[self.rank] = self.num_calls
 
 
-def _wait(counters: np.ndarray, call: int) -> None:
+CHECK_SPINS = 4096  # a few ms of spinning
+
+
+def _wait(counters: np.ndarray, call: int, check: Callable[[], None] | None) -> None:
     """Spins until every rank's counter has reached `call`."""
+    spins = 0
     while counters.min() < call:
-        pass
+        spins += 1
+        if spins % CHECK_SPINS == 0:
+            os.sched_yield()  # a peer sharing this core gets it
+            if check is not None:
+                check()

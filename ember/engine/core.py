@@ -43,22 +43,14 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, model_config)
         start = time.perf_counter()
         self.runner = ModelRunner(config, model_config, checkpoint, self.max_model_len)
-        num_blocks = self.runner.kv_cache_budget() // self.runner.kv_block_bytes
-        min_blocks = -(-self.max_model_len // config.block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"kv_cache_memory fits {num_blocks} blocks of {config.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={self.max_model_len} needs "
-                f"({min_blocks}); raise kv_cache_memory or lower max_model_len"
-            )
-        # a prefill worker's KV lives in shared memory, for decode workers on its host
-        self.runner.allocate_kv_cache(num_blocks, shared=config.kv_role == "prefill")
-        startup.mark("kv cache")
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         try:
+            num_blocks = self._allocate_kv_cache()
+            self.kv_cache = KVCacheManager(
+                num_blocks, config.block_size, config.enable_prefix_caching
+            )
             self.connector = self._make_connector(config)
         except BaseException:
-            self.runner.free_kv_cache()  # no shared-memory file left behind
+            self.runner.close()  # no shared-memory file or other rank left behind
             raise
         self.prefaulter = Prefaulter(self.runner.kv_caches)  # pages ahead of use, when idle
         self.step_cost = StepCostModel()
@@ -81,6 +73,22 @@ class EngineCore:
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
         self.num_sequences_received = 0
         logger.info("engine ready in %.2f s", time.perf_counter() - start)
+
+    def _allocate_kv_cache(self) -> int:
+        """Sizes the KV pool from the budget (per rank), allocates it; its block count."""
+        config = self.config
+        num_blocks = self.runner.kv_cache_budget() // self.runner.kv_block_bytes
+        min_blocks = -(-self.max_model_len // config.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"kv_cache_memory fits {num_blocks} blocks of {config.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={self.max_model_len} needs "
+                f"({min_blocks}); raise kv_cache_memory or lower max_model_len"
+            )
+        # a prefill worker's KV lives in shared memory, for decode workers on its host
+        self.runner.allocate_kv_cache(num_blocks, shared=config.kv_role == "prefill")
+        startup.mark("kv cache")
+        return num_blocks
 
     def _make_connector(self, config: EngineConfig) -> MultiConnector:
         context = ConnectorContext(
@@ -106,7 +114,7 @@ class EngineCore:
         """Stops the KV connectors (endpoint, threads) and removes the shared-memory KV
         file, if any."""
         self.connector.close()
-        self.runner.free_kv_cache()
+        self.runner.close()
         if self.speculator is not None:
             self.speculator.proposer.close()
 

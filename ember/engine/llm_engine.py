@@ -38,6 +38,7 @@ class LLMEngine:
             self.tokenizer, self.model_config, self.max_model_len
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._closed = False
 
     def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
         return self.input_processor.tokenize(prompt)
@@ -72,6 +73,11 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(self.core.step())
         self.core.abort_requests(stopped)
         return outputs
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.core.close()
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ import torch
 
 from ember import startup
 from ember.config import EngineConfig, ModelConfig
+from ember.distributed.executor import AllocateKV, LeaderModel, MultiprocExecutor
+from ember.distributed.parallel import TPGroup, building
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
@@ -54,8 +57,11 @@ class ModelRunner:
         checkpoint: Checkpoint,
         max_model_len: int,
         model_cls: type[torch.nn.Module] | None = None,
+        group: TPGroup | None = None,
     ) -> None:
-        """`model_cls`: the module to build (a drafter's head), else the architecture's."""
+        """`model_cls`: the module to build (a drafter's head), else the architecture's.
+        `group`: the tensor-parallel rank this runner is (rank_worker); by default rank 0
+        of `engine_config.tensor_parallel_size` ranks, the others started here."""
         self.config = engine_config
         self.model_config = model_config
         self.device = engine_config.resolve_device()
@@ -68,8 +74,24 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
         model_cls = model_cls or get_model_class(model_config.architecture)
-        self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(model_config)
-        self.model = self._load_model(model_cls, checkpoint, max_model_len)
+        self.executor: MultiprocExecutor | None = None
+        if group is None and engine_config.tensor_parallel_size > 1:
+            check_tensor_parallel(engine_config, model_cls, self.device)
+            self.executor = MultiprocExecutor(engine_config, max_model_len)
+        try:
+            if self.executor is not None:
+                group = self.executor.join()
+            self.group = group or TPGroup()
+            with building(self.group):
+                self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(model_config)
+                self.model = self._load_model(model_cls, checkpoint, max_model_len)
+            if self.executor is not None:
+                self.executor.wait_ready()
+                self.model = LeaderModel(self.model, self.executor)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.close()
+            raise
         layers = getattr(getattr(self.model, "model", None), "layers", [])
         self.moe_layers = [(i, x.mlp) for i, x in enumerate(layers) if isinstance(x.mlp, SparseMoE)]
         self.sampler = Sampler()
@@ -99,7 +121,9 @@ class ModelRunner:
     def _load_weights(
         self, model: torch.nn.Module, checkpoint: Checkpoint, packs: bool, bf16_prefill: bool
     ) -> None:
-        model.load_weights(checkpoint.weights())
+        # a tensor-parallel rank reads only its part of each split tensor
+        narrow = model.shard_of if self.group.size > 1 else None
+        model.load_weights(checkpoint.weights(narrow))
         startup.mark("weights")
         if packs:
             if (
@@ -107,7 +131,7 @@ class ModelRunner:
                 and self.config.gguf_blocks
                 and self.weight_dtype == torch.float32
             ):
-                model.load_gguf_blocks(checkpoint.gguf_blocks())
+                model.load_gguf_blocks(checkpoint.gguf_blocks(narrow))
             model.pack_for_cpu(bf16_prefill, self.weight_dtype)
             _log_block_decode(model)
             startup.mark("packed")
@@ -145,8 +169,32 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
+        """A KV block's bytes on this rank, or on the rank with the most (rank 0 of a
+        tensor-parallel model: every rank has as many blocks)."""
         per_token = self.kv_spec.token_bytes(self.dtype)
-        return self.model_config.num_hidden_layers * self.block_size * per_token
+        own = self.model_config.num_hidden_layers * self.block_size * per_token
+        ranks = self.executor.rank_block_bytes if self.executor is not None else []
+        return max([own, *ranks])
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's loaded weights (each tensor once; packed copies too)."""
+        seen, total = set(), 0
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [
+            getattr(m, name)
+            for m in self.model.modules()
+            for name in ("packed", "blocks")
+            if isinstance(getattr(m, name, None), torch.Tensor)
+        ]
+        for tensor in tensors:
+            if tensor.is_mkldnn or tensor.layout != torch.strided:  # oneDNN's opaque copy
+                key, size = id(tensor), tensor.numel() * tensor.element_size()
+            else:
+                key, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+            if key not in seen:
+                seen.add(key)
+                total += size
+        return total
 
     def kv_cache_budget(self) -> int:
         """Bytes for the KV cache: the user's figure, or a share of free memory."""
@@ -157,11 +205,15 @@ class ModelRunner:
             self._profile_peak_memory()
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * (fraction or 0.9))
-        return min(int(_available_host_memory() * (fraction or 0.5)), CPU_KV_CACHE_CAP)
+        # a tensor-parallel model's ranks share this host's memory: a share each
+        share = _available_host_memory() * (fraction or 0.5) / self.group.size
+        return min(int(share), CPU_KV_CACHE_CAP)
 
     def allocate_kv_cache(self, num_blocks: int, shared: bool = False) -> None:
         """Allocates the KV tensors; `shared`: in one shared-memory file (CPU only)."""
         shape = self.kv_spec.shape(num_blocks, self.block_size)
+        if self.executor is not None:
+            self.executor.send(AllocateKV(num_blocks))
         self.kv_caches, self.kv_shm_path = kv_buffers.allocate(
             shape, self.model_config.num_hidden_layers, self.dtype, self.device, shm=shared
         )
@@ -176,6 +228,12 @@ class ModelRunner:
         self.kv_caches = []
         kv_buffers.remove_shm(self.kv_shm_path)
         self.kv_shm_path = None
+
+    def close(self) -> None:
+        """Frees the KV cache and stops the other ranks, if any."""
+        self.free_kv_cache()
+        if self.executor is not None:
+            self.executor.close()
 
     def _profile_peak_memory(self) -> None:
         """Runs the largest step once before free memory is read."""
@@ -377,3 +435,16 @@ def _available_host_memory() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 8 << 30
+
+
+def check_tensor_parallel(config: EngineConfig, model_cls: type, device: torch.device) -> None:
+    """What a tensor-parallel engine cannot do yet, refused before any rank starts."""
+    size = config.tensor_parallel_size
+    if device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size={size}: only CPU ranks (Gloo) are supported yet")
+    if not hasattr(model_cls, "shard_of"):
+        raise ValueError(
+            f"tensor_parallel_size={size}: {model_cls.__name__} cannot be split over ranks yet"
+        )
+    if size > len(os.sched_getaffinity(0)):
+        logger.warning("tensor_parallel_size=%d: more ranks than cores", size)

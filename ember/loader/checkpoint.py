@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ember.loader")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# the part (dim, start, length) of a tensor (by name) that is wanted; None: all of it
+Narrow = Callable[[str], "tuple[int, int, int] | None"]
 
 
 @dataclass
@@ -49,10 +51,15 @@ class Checkpoint:
             parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
         return "|".join(parts)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) pairs, with a progress bar and a timing log line."""
+    def weights(self, narrow: Narrow | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor) pairs, with a progress bar and a timing log line.
+        `narrow(name)`: the part (dim, start, length) of that tensor wanted (a tensor-
+        parallel rank's share), read alone from the mapped file; None: all of it."""
         start = time.perf_counter()
-        source = self._gguf_weights() if self.is_gguf else self._safetensors_weights()
+        if self.is_gguf:
+            source = self._gguf_weights(narrow)
+        else:
+            source = self._safetensors_weights(narrow)
         yield from tqdm(source, desc="Loading weights", unit=" tensors", leave=False)
         seconds = time.perf_counter() - start
         logger.info(
@@ -63,14 +70,14 @@ class Checkpoint:
             self.num_bytes / 1e9 / max(seconds, 1e-9),
         )
 
-    def gguf_blocks(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def gguf_blocks(self, narrow: Narrow | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """A GGUF file's matrices in gguf_loader.BLOCK_FORMATS as raw blocks (nothing for
         other checkpoints): decode steps read these instead of the fp32 weights."""
         if not self.is_gguf:
             return
         from ember.loader.gguf_loader import iter_indexed_blocks
 
-        yield from iter_indexed_blocks(self.path, self.gguf_index, self.hf_config)
+        yield from iter_indexed_blocks(self.path, self.gguf_index, self.hf_config, narrow)
 
     def tokenizer(self):
         """The checkpoint's tokenizer, or None (with a warning) when it has none."""
@@ -87,7 +94,7 @@ class Checkpoint:
             logger.warning("no tokenizer in %s (%s); only token-id prompts work", self.path, exc)
             return None
 
-    def _safetensors_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _safetensors_weights(self, narrow: Narrow | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of every file. A file's mapping is dropped and made again every
         MAPPED_BYTES read: the pages a mapping has touched count in the process's resident
         memory while it lasts, and a shard is several GB (resident memory at load would
@@ -98,14 +105,14 @@ class Checkpoint:
             try:
                 start: int | None = 0
                 while start is not None:
-                    start = yield from _some_tensors(file, start)
+                    start = yield from _some_tensors(file, start, narrow)
             except SafetensorError as exc:
                 raise ValueError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
 
-    def _gguf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _gguf_weights(self, narrow: Narrow | None) -> Iterator[tuple[str, torch.Tensor]]:
         from ember.loader.gguf_loader import iter_indexed_weights
 
-        yield from iter_indexed_weights(self.path, self.gguf_index, self.hf_config)
+        yield from iter_indexed_weights(self.path, self.gguf_index, self.hf_config, narrow)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -152,7 +159,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 MAPPED_BYTES = 256 << 20
 
 
-def _some_tensors(file: Path, start: int):
+def _some_tensors(file: Path, start: int, narrow: Narrow | None = None):
     """Tensors `start`, `start + 1`, ... of `file` under one mapping, until MAPPED_BYTES
     are read; returns where the next mapping starts (None at the end)."""
     from safetensors import safe_open
@@ -160,7 +167,13 @@ def _some_tensors(file: Path, start: int):
     with safe_open(str(file), framework="pt") as f:
         names, mapped = list(f.keys()), 0
         for i in range(start, len(names)):
-            tensor = f.get_tensor(names[i])
+            part = narrow(names[i]) if narrow is not None else None
+            if part is None:
+                tensor = f.get_tensor(names[i])
+            else:  # only the part's bytes are read from the mapping
+                dim, first, length = part
+                index = (slice(None),) * dim + (slice(first, first + length),)
+                tensor = f.get_slice(names[i])[index]
             yield names[i], tensor
             mapped += tensor.nbytes
             if mapped >= MAPPED_BYTES and i + 1 < len(names):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,8 @@ _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # MLA's kv_b_proj split in two: attn_k_b [heads, kv_lora_rank, qk_nope], attn_v_b
 _KV_B_PART = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _SKIPPED = frozenset({"rope_freqs.weight"})
+# the part (dim, start, length) of a tensor (by Hugging Face name) that is wanted; None: all
+Narrow = Callable[[str], "tuple[int, int, int] | None"]
 
 
 def read_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -336,10 +338,12 @@ def iter_gguf_weights(
 
 
 def iter_indexed_weights(
-    path: Path, index: GGUFIndex, config: dict[str, Any]
+    path: Path, index: GGUFIndex, config: dict[str, Any], narrow: Narrow | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The same, for a file opened through its cached index (no metadata parse)."""
-    yield from _iter_weights(indexed_tensors(path, index), index.architecture, config)
+    """The same, for a file opened through its cached index (no metadata parse); with
+    `narrow`, of each matrix only the part it names (see Checkpoint.weights)."""
+    tensors = indexed_tensors(path, index)
+    yield from _iter_weights(tensors, index.architecture, config, narrow)
 
 
 # The block formats ember's block GEMM decodes to exactly the fp32 weights loaded above
@@ -351,11 +355,13 @@ BLOCK_FORMATS = frozenset({
 
 
 def iter_indexed_blocks(
-    path: Path, index: GGUFIndex, config: dict[str, Any]
+    path: Path, index: GGUFIndex, config: dict[str, Any], narrow: Narrow | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, uint8 [out_features, blocks per row, bytes per block]) for every
     matrix stored in one of BLOCK_FORMATS: its raw blocks, copied out of the file, rows in
-    HF order; stacked experts one expert at a time, under per-expert names."""
+    HF order; stacked experts one expert at a time, under per-expert names. With `narrow`,
+    only the part of each matrix it names (nothing where that part's columns do not fall
+    on block boundaries)."""
     interleaved_rope = index.architecture == "llama"
     for tensor in indexed_tensors(path, index):
         if tensor.tensor_type not in BLOCK_FORMATS:
@@ -370,14 +376,27 @@ def iter_indexed_blocks(
             continue
         if len(tensor.shape) != 2:
             continue
-        rows = np.array(tensor.data, dtype=np.uint8)  # a row's blocks move as a whole
+        name = _hf_name(tensor.name)
+        part = narrow(name) if narrow is not None else None
+        data, num_rows = tensor.data, tensor.data.shape[0]
+        if part is not None and part[0] == 0:
+            data = data[part[1] : part[1] + part[2]]
+        rows = np.array(data, dtype=np.uint8)  # a row's blocks move as a whole
         rows = rows.reshape(rows.shape[0], -1, type_size)
+        if part is not None and part[0] == 1:
+            per_block = int(tensor.shape[0]) // rows.shape[1]  # weights per block
+            _, start, length = part
+            if start % per_block or length % per_block:
+                continue
+            rows = np.ascontiguousarray(rows[:, start // per_block : (start + length) // per_block])
         if interleaved_rope:
-            rows = _undo_rope_permutation(tensor.name, rows, config)
-        yield _hf_name(tensor.name), torch.from_numpy(rows)
+            rows = _undo_rope_permutation(tensor.name, rows, config, num_rows)
+        yield name, torch.from_numpy(rows)
 
 
-def _iter_weights(tensors: list, architecture: str, config: dict[str, Any]):
+def _iter_weights(
+    tensors: list, architecture: str, config: dict[str, Any], narrow: Narrow | None = None
+):
     unsupported = [t for t in tensors if t.tensor_type not in _DEQUANTIZABLE]
     if unsupported:
         tensor = unsupported[0]
@@ -397,7 +416,10 @@ def _iter_weights(tensors: list, architecture: str, config: dict[str, Any]):
                 weights = _dequantize(tensor, tensor.data[expert])
                 yield _expert_name(layer, expert, part), torch.from_numpy(weights)
             continue
-        weights = _dequantize(tensor)
+        part = None
+        if narrow is not None and not _KV_B_PART.fullmatch(name):
+            part = narrow(_hf_name(name))
+        weights = _dequantize(tensor) if part is None else _dequantize_part(tensor, part)
         if match := _KV_B_PART.fullmatch(name):
             layer, part = match.groups()
             parts = kv_b_parts.setdefault(layer, {})
@@ -407,7 +429,7 @@ def _iter_weights(tensors: list, architecture: str, config: dict[str, Any]):
                 yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", _join_kv_b(**parts)
             continue
         if interleaved_rope:
-            weights = _undo_rope_permutation(name, weights, config)
+            weights = _undo_rope_permutation(name, weights, config, tensor.data.shape[0])
         yield _hf_name(name), torch.from_numpy(weights)
     if kv_b_parts:
         layer, parts = next(iter(kv_b_parts.items()))
@@ -454,11 +476,35 @@ def _dequantize(tensor: Any, data: np.ndarray | None = None) -> np.ndarray:
     return np.require(weights, dtype=np.float32, requirements=["C", "W"])
 
 
-def _undo_rope_permutation(name: str, weights: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def _dequantize_part(tensor: Any, part: tuple[int, int, int]) -> np.ndarray:
+    """float32 values of part (dim, start, length) of a matrix or vector in HF shape,
+    dequantizing only its rows (dim 0) or DEQUANT_ROWS rows at a time (dim 1)."""
+    dim, start, length = part
+    hf_shape = tuple(reversed(tensor.shape.tolist()))
+    if dim == 0:
+        data = tensor.data[start : start + length]
+        weights = dequantize(data, tensor.tensor_type).reshape(length, *hf_shape[1:])
+        return np.require(weights, dtype=np.float32, requirements=["C", "W"])
+    out = np.empty((hf_shape[0], length), dtype=np.float32)
+    for first in range(0, hf_shape[0], DEQUANT_ROWS):
+        data = tensor.data[first : first + DEQUANT_ROWS]
+        rows = dequantize(data, tensor.tensor_type).reshape(-1, hf_shape[1])
+        out[first : first + rows.shape[0]] = rows[:, start : start + length]
+    return out
+
+
+DEQUANT_ROWS = 256  # a rank's part of a matrix split by columns: the rows read at a time
+
+
+def _undo_rope_permutation(
+    name: str, weights: np.ndarray, config: dict[str, Any], num_rows: int | None = None
+) -> np.ndarray:
+    """`weights`: rows of whole heads of a tensor of `num_rows` rows (all of them if None)."""
+    share = weights.shape[0] / (num_rows or weights.shape[0])  # a rank's heads of a split one
     if ".attn_q." in name:
-        return _unpermute_rows(weights, config["num_attention_heads"], name)
+        return _unpermute_rows(weights, round(config["num_attention_heads"] * share), name)
     if ".attn_k." in name:
-        return _unpermute_rows(weights, config["num_key_value_heads"], name)
+        return _unpermute_rows(weights, round(config["num_key_value_heads"] * share), name)
     return weights
 
 

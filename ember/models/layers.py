@@ -133,6 +133,7 @@ class Linear(nn.Module):
         part has come, in one format (the same block size and count)."""
         sizes = getattr(self, "output_sizes", [self.weight.shape[0]])
         shard = shard_id or 0
+        rows = self._rank_blocks(rows, shard)
         if rows.dim() != 3 or rows.dtype != torch.uint8 or rows.shape[0] != sizes[shard]:
             raise ValueError(
                 f"blocks of shape {tuple(rows.shape)} ({rows.dtype}) do not fit "
@@ -144,6 +145,14 @@ class Linear(nn.Module):
             if len({part.shape[1:] for part in parts}) == 1:  # one format throughout
                 self.blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._block_parts = {}
+
+    def _rank_blocks(self, rows: torch.Tensor, shard: int) -> torch.Tensor:
+        """A tensor-parallel rank's rows of a matrix's blocks (given all of them, or only
+        its own); a rank's columns come narrowed by the loader (Checkpoint.gguf_blocks)."""
+        part = getattr(self.weight, "shard_of", lambda shard: None)(shard)
+        if part is None or part[0] != 0 or rows.shape[0] == part[2]:
+            return rows
+        return rows.narrow(0, part[1], part[2])
 
     def pack_for_cpu(
         self, bf16_prefill: bool = False, weight_dtype: torch.dtype | None = None
@@ -208,19 +217,38 @@ class MergedLinear(Linear):
     """Several projections of one input fused into one matmul (QKV, gate/up).
 
     Checkpoints store the parts separately; `weight_loader` copies part `shard_id`
-    (an index into `output_sizes`) into its rows.
+    (an index into `output_sizes`) into its rows. With `slices` (tensor parallel: a
+    (start, length) per part), the layer holds rows [start, start + length) of each part
+    of `output_sizes` rows, and each parameter's `shard_of(shard_id)` says so.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        slices: list[tuple[int, int]] | None = None,
+    ) -> None:
+        self.full_sizes = output_sizes
+        self.slices = slices or [(0, size) for size in output_sizes]
+        output_sizes = [length for _, length in self.slices]
         super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = output_sizes
-        self.weight.weight_loader = self._load_shard
-        if self.bias is not None:
-            self.bias.weight_loader = self._load_shard
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self._load_shard
+                param.shard_of = self._shard_of
+
+    def _shard_of(self, shard_id: int) -> tuple[int, int, int] | None:
+        start, length = self.slices[shard_id]
+        return None if length == self.full_sizes[shard_id] else (0, start, length)
 
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int) -> None:
         start = sum(self.output_sizes[:shard_id])
         rows = param.data.narrow(0, start, self.output_sizes[shard_id])
+        part = self._shard_of(shard_id)
+        if part is not None and tensor.shape[0] == self.full_sizes[shard_id]:
+            tensor = tensor.narrow(0, part[1], part[2])  # read whole: this rank's rows
         default_weight_loader(rows, tensor)
 
 

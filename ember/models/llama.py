@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.distributed.parallel import head_split, tp_group
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.engine.kv_spec import KVCacheSpec
 from ember.models.layers import (
@@ -29,24 +29,40 @@ from ember.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    new_param,
     silu_and_mul,
 )
 from ember.models.moe import Experts, ExpertTensors, SparseMoE
+from ember.models.parallel_layers import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_slices,
+    shard_of,
+)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
+        group = tp_group()  # this rank's heads (all of them on one rank)
+        heads = head_split(
+            config.num_attention_heads, config.num_key_value_heads, group.size, group.rank
         )
-        self.o_proj = Linear(q_size, config.hidden_size)
+        self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
+        self.head_dim = hd = config.head_dim
+        q_rows, kv_rows = (
+            (heads.q_start * hd, heads.num_q * hd),
+            (heads.kv_start * hd, heads.num_kv * hd),
+        )
+        q_size = config.num_attention_heads * hd
+        kv_size = config.num_key_value_heads * hd
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            [q_size, kv_size, kv_size],
+            bias=config.attention_bias,
+            slices=[q_rows, kv_rows, kv_rows],
+        )
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, group, q_rows)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -76,8 +92,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         size = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size])
-        self.down_proj = Linear(size, config.hidden_size)
+        group = tp_group()
+        slices = column_slices([size, size], group)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], slices=slices)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, group, slices[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -88,6 +106,11 @@ def moe_or_dense_mlp(config: ModelConfig, layer: int) -> nn.Module:
     moe = config.moe
     if moe is None or not moe.is_moe_layer(layer):
         return LlamaMLP(config)
+    if tp_group().size > 1:
+        raise ValueError(
+            "tensor_parallel_size > 1 does not split mixture-of-experts layers yet; "
+            "serve this model on one rank"
+        )
     shared = (
         LlamaMLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
     )
@@ -120,8 +143,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = new_param(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_group()
+        )
         self.layers = nn.ModuleList(
             self.layer_cls(config, backend, i) for i in range(config.num_hidden_layers)
         )
@@ -134,7 +158,7 @@ class LlamaModel(nn.Module):
         self.captured: list[torch.Tensor] = []  # of the last forward, in layer order
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        hidden = F.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
+        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         self.captured = []
         # else bf16, in the layers below; drafts' rows run as their sequence's decode would
@@ -233,16 +257,21 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def kv_cache_spec(config: ModelConfig) -> KVCacheSpec:
-        """Keys and values of every KV head, per token and layer."""
-        return KVCacheSpec(2, config.num_key_value_heads, config.head_dim)
+        """Keys and values of every KV head (of this rank's), per token and layer."""
+        group = tp_group()
+        heads = head_split(
+            config.num_attention_heads, config.num_key_value_heads, group.size, group.rank
+        )
+        return KVCacheSpec(2, heads.num_kv, config.head_dim)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config, backend, max_positions)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp_group())
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._params: dict[str, nn.Parameter] | None = None  # by name, for shard_of
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
@@ -264,7 +293,9 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Experts):
                 module.pack_for_cpu(weight_dtype)
         backend = self.model.layers[0].self_attn.backend
+        # the C++ layer has no all-reduce inside: tensor-parallel layers run op by op
         fusable = not self.config.qk_norm and self.config.moe is None
+        fusable = fusable and self.lm_head.group.size == 1
         if isinstance(backend, CPUPagedBackend) and fusable:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)
         if bf16_prefill:  # decode batches of BF16_MIN_ROWS and more run in bf16 too
@@ -297,6 +328,16 @@ class LlamaForCausalLM(nn.Module):
             load_into(params, *self._param_name(name), tensor, name)
             loaded.add(name)
         self._check_complete(params, loaded | experts.complete())
+
+    def shard_of(self, name: str) -> tuple[int, int, int] | None:
+        """The part (dim, start, length) of checkpoint tensor `name` this rank holds under
+        tensor parallelism; None: the whole tensor (or one not loaded)."""
+        name = self._checkpoint_name(name)
+        if name is None:
+            return None
+        if self._params is None:
+            self._params = dict(self.named_parameters())
+        return shard_of(self._params, *self._param_name(name))
 
     def _checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as this model's parameters go; None: not loaded."""

@@ -1,0 +1,346 @@
+"""Running one model over several ranks: rank 0 in the engine-core process, ranks 1..N-1 in
+worker processes it starts, watches and stops (`MultiprocExecutor`).
+
+The core schedules once; its ModelRunner (rank 0) runs the step as it would alone, on a
+`LeaderModel` that first sends every model call (a forward over the step's inputs, logits
+of some hidden rows) to the other ranks, which make the same call on their shard
+(`ember.distributed.rank_worker`), so that every rank enters the same collectives in the
+same order. Only rank 0 samples, keeps requests and runs the KV connectors.
+
+Messages are msgspec structs over a ZeroMQ PAIR socket per rank (ipc, in a private
+directory): `Hello` (imports done) -> every rank joins the process group -> `Ready`
+(model loaded: its KV block bytes and weight bytes) or `Failed` -> `AllocateKV`, then
+`Forward` / `Logits` per call, `Stop`.
+
+Failure: the workers die with the core (PR_SET_PDEATHSIG); a worker that exits or fails
+makes rank 0's next collective raise `RankFailedError` (the shared-memory wait checks the
+processes every few ms; Gloo's sockets close), after which the executor stops the rest
+and refuses further calls. The engine then fails as a whole, with that error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from ember import envs
+from ember.config import EngineConfig
+from ember.distributed.parallel import TPGroup
+from ember.distributed.shm_comm import ShmCommunicator
+
+logger = logging.getLogger("ember.distributed")
+
+STARTUP_TIMEOUT_S = 600.0  # a rank's imports and model load
+JOIN_TIMEOUT = datetime.timedelta(seconds=120)  # joining the process group
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a tensor-parallel model stopped; the model cannot run without it."""
+
+
+class Tensor(msgspec.Struct, array_like=True):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Tensor:
+        tensor = tensor.detach().contiguous().cpu()
+        raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
+        return cls(
+            str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw.numpy().tobytes()
+        )
+
+    def value(self) -> torch.Tensor:
+        dtype = getattr(torch, self.dtype)
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=dtype).view(self.shape)
+
+
+class Hello(msgspec.Struct, tag=True):
+    rank: int
+
+
+class Ready(msgspec.Struct, tag=True):
+    rank: int
+    kv_block_bytes: int
+    weight_bytes: int
+
+
+class Failed(msgspec.Struct, tag=True):
+    rank: int
+    message: str
+
+
+class AllocateKV(msgspec.Struct, tag=True):
+    num_blocks: int
+
+
+class Prefill(msgspec.Struct, array_like=True):
+    query_start: int
+    query_len: int
+    context_len: int
+    block_ids: Tensor
+
+
+class Forward(msgspec.Struct, tag=True):
+    input_ids: Tensor
+    positions: Tensor
+    slot_mapping: Tensor
+    num_decodes: int
+    num_decode_seqs: int | None
+    decode_block_table: Tensor | None
+    decode_mask: Tensor | None
+    decode_context_lens: Tensor | None
+    prefills: list[Prefill]
+
+
+class Logits(msgspec.Struct, tag=True):
+    hidden: Tensor
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+ToRank = AllocateKV | Forward | Logits | Stop
+FromRank = Hello | Ready | Failed
+
+
+def encode_forward(input_ids, positions, meta) -> Forward:
+    def opt(tensor):
+        return None if tensor is None else Tensor.of(tensor)
+
+    prefills = [
+        Prefill(p.query_start, p.query_len, p.context_len, Tensor.of(p.block_ids))
+        for p in meta.prefills
+    ]
+    return Forward(
+        Tensor.of(input_ids), Tensor.of(positions), Tensor.of(meta.slot_mapping),
+        meta.num_decodes, meta.num_decode_seqs, opt(meta.decode_block_table),
+        opt(meta.decode_mask), opt(meta.decode_context_lens), prefills,
+    )  # fmt: skip
+
+
+def decode_forward(message: Forward, device: torch.device):
+    """(input_ids, positions, AttentionMetadata) of a Forward, on `device`."""
+    from ember.engine.attention import AttentionMetadata, PrefillSeq
+
+    def opt(tensor):
+        return None if tensor is None else tensor.value().to(device)
+
+    meta = AttentionMetadata(
+        slot_mapping=message.slot_mapping.value().to(device),
+        num_decodes=message.num_decodes,
+        decode_block_table=opt(message.decode_block_table),
+        decode_mask=opt(message.decode_mask),
+        decode_context_lens=opt(message.decode_context_lens),
+        prefills=[
+            PrefillSeq(p.query_start, p.query_len, p.context_len, p.block_ids.value().to(device))
+            for p in message.prefills
+        ],
+        num_decode_seqs=message.num_decode_seqs,
+    )
+    return message.input_ids.value().to(device), message.positions.value().to(device), meta
+
+
+def rank_cores(size: int, rank: int) -> list[int]:
+    """The cores rank `rank` of `size` runs its threads on: its share of this process's."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // size)
+    first = (rank * per_rank) % len(cores)
+    return cores[first : first + per_rank]
+
+
+class MultiprocExecutor:
+    """Ranks 1..size-1 of a model whose rank 0 is this process."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="ember-ranks-")
+        self._context = zmq.Context()
+        self._sockets: list[zmq.Socket] = []
+        self._processes: list[subprocess.Popen] = []
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromRank)
+        self.failure: str | None = None
+        self.closed = False
+        self.rank_block_bytes: list[int] = []
+        self.rank_weight_bytes: list[int] = []
+        threads = len(rank_cores(self.size, 0))
+        config_json = msgspec.json.encode(config).decode()
+        for rank in range(1, self.size):
+            socket = self._context.socket(zmq.PAIR)
+            address = f"ipc://{self._dir}/rank{rank}"
+            socket.bind(address)
+            self._sockets.append(socket)
+            self._processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "ember.distributed.rank_worker",
+                        "--rank",
+                        str(rank),
+                        "--size",
+                        str(self.size),
+                        "--store",
+                        f"{self._dir}/store",
+                        "--socket",
+                        address,
+                        "--config",
+                        config_json,
+                        "--max-model-len",
+                        str(max_model_len),
+                        "--threads",
+                        str(threads),
+                    ],
+                    env=envs.engine_core_env(),
+                )  # fmt: skip
+            )
+        self._store = f"{self._dir}/store"
+        atexit.register(self.close)
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def join(self) -> TPGroup:
+        """Rank 0 joins the process group once every rank has imported torch; returns
+        the group the model is built for."""
+        for rank in range(1, self.size):
+            self._expect(rank, Hello)
+        torch.set_num_threads(len(rank_cores(self.size, 0)))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{self._store}", rank=0, world_size=self.size,
+            timeout=JOIN_TIMEOUT,
+        )  # fmt: skip
+        comm = ShmCommunicator()
+        comm.check = self.check
+        return TPGroup(0, self.size, comm)
+
+    def wait_ready(self) -> None:
+        """Waits until every rank has loaded its shard (RankFailedError if one failed)."""
+        for rank in range(1, self.size):
+            ready = self._expect(rank, Ready)
+            self.rank_block_bytes.append(ready.kv_block_bytes)
+            self.rank_weight_bytes.append(ready.weight_bytes)
+
+    def _expect(self, rank: int, kind: type) -> FromRank:
+        socket = self._sockets[rank - 1]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if socket.poll(100):
+                message = self._decoder.decode(socket.recv())
+                if isinstance(message, Failed):
+                    self._fail(f"rank {rank} failed: {message.message}")
+                if isinstance(message, kind):
+                    return message
+            self.check()
+        self._fail(f"rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    # -- steps -------------------------------------------------------------------------
+
+    def send(self, message: ToRank) -> None:
+        """Sends a call to every other rank (which then makes it with rank 0)."""
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+        frame = self._encoder.encode(message)
+        for socket in self._sockets:
+            socket.send(frame, copy=False)
+
+    def check(self) -> None:
+        """RankFailedError if a rank has exited (or failed) since the last look."""
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+        for rank, process in enumerate(self._processes, start=1):
+            code = process.poll()
+            if code is not None:
+                self._fail(f"rank {rank} of {self.size} exited (code {code}){self._reason(rank)}")
+
+    def _reason(self, rank: int) -> str:
+        """A failed rank's own last word, if it sent one."""
+        socket = self._sockets[rank - 1]
+        while socket.poll(0):
+            message = self._decoder.decode(socket.recv())
+            if isinstance(message, Failed):
+                return f": {message.message}"
+        return ""
+
+    def _fail(self, reason: str):
+        self.failure = reason
+        logger.error("tensor-parallel model stopped: %s", reason)
+        self.close()
+        raise RankFailedError(reason)
+
+    def fail(self, reason: str) -> None:
+        """Stops every rank (rank 0 left a call half done; the ranks are out of step)."""
+        if self.failure is None:
+            self.failure = reason
+            self.close()
+
+    def close(self) -> None:
+        """Stops the ranks (Stop, then SIGKILL after a grace period) and leaves nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        frame = self._encoder.encode(Stop())
+        for socket in self._sockets:
+            try:
+                socket.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for process in self._processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for socket in self._sockets:
+            socket.close(linger=0)
+        self._context.term()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class LeaderModel:
+    """Rank 0's model: every forward and logits call goes to the other ranks first, then
+    runs here (the collectives inside pair them up). Other attributes are the model's."""
+
+    def __init__(self, model: torch.nn.Module, executor: MultiprocExecutor) -> None:
+        self.model = model
+        self.executor = executor
+
+    def __call__(self, input_ids, positions, kv_caches, meta):
+        return self._run(encode_forward(input_ids, positions, meta), self.model, input_ids,
+                         positions, kv_caches, meta)  # fmt: skip
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._run(Logits(Tensor.of(hidden)), self.model.compute_logits, hidden)
+
+    def _run(self, message: ToRank, call, *args):
+        self.executor.send(message)
+        try:
+            return call(*args)
+        except RankFailedError:
+            raise
+        except BaseException as exc:
+            self.executor.fail(f"rank 0 failed in a model call: {type(exc).__name__}: {exc}")
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
