@@ -44,6 +44,7 @@ logger = logging.getLogger("ember.distributed")
 
 STARTUP_TIMEOUT_S = 600.0  # a rank's imports and model load
 JOIN_TIMEOUT = datetime.timedelta(seconds=120)  # joining the process group
+RANK_MODULE = ["-m", "ember.distributed.rank_worker"]  # what a rank runs (tests wrap it)
 
 
 class RankFailedError(RuntimeError):
@@ -180,6 +181,7 @@ class MultiprocExecutor:
         self.closed = False
         self.rank_block_bytes: list[int] = []
         self.rank_weight_bytes: list[int] = []
+        self._store = f"{self._dir}/store"
         threads = len(rank_cores(self.size, 0))
         config_json = msgspec.json.encode(config).decode()
         for rank in range(1, self.size):
@@ -187,31 +189,14 @@ class MultiprocExecutor:
             address = f"ipc://{self._dir}/rank{rank}"
             socket.bind(address)
             self._sockets.append(socket)
-            self._processes.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "ember.distributed.rank_worker",
-                        "--rank",
-                        str(rank),
-                        "--size",
-                        str(self.size),
-                        "--store",
-                        f"{self._dir}/store",
-                        "--socket",
-                        address,
-                        "--config",
-                        config_json,
-                        "--max-model-len",
-                        str(max_model_len),
-                        "--threads",
-                        str(threads),
-                    ],
-                    env=envs.engine_core_env(),
-                )  # fmt: skip
-            )
-        self._store = f"{self._dir}/store"
+            flags = {
+                "--rank": rank, "--size": self.size, "--store": self._store,
+                "--socket": address, "--config": config_json,
+                "--max-model-len": max_model_len, "--threads": threads,
+            }  # fmt: skip
+            command = [sys.executable, *RANK_MODULE]
+            command += [str(part) for flag in flags.items() for part in flag]
+            self._processes.append(subprocess.Popen(command, env=envs.engine_core_env()))
         atexit.register(self.close)
 
     # -- start-up ----------------------------------------------------------------------

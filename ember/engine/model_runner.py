@@ -76,7 +76,7 @@ class ModelRunner:
         model_cls = model_cls or get_model_class(model_config.architecture)
         self.executor: MultiprocExecutor | None = None
         if group is None and engine_config.tensor_parallel_size > 1:
-            check_tensor_parallel(engine_config, model_cls, self.device)
+            check_tensor_parallel(engine_config, model_config, model_cls, self.device)
             self.executor = MultiprocExecutor(engine_config, max_model_len)
         try:
             if self.executor is not None:
@@ -177,9 +177,10 @@ class ModelRunner:
         return max([own, *ranks])
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's loaded weights (each tensor once; packed copies too)."""
+        """Bytes of this rank's loaded weights (each tensor once; packed copies and GGUF
+        blocks too; not tables such as rotary's cos/sin)."""
         seen, total = set(), 0
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = list(self.model.parameters())
         tensors += [
             getattr(m, name)
             for m in self.model.modules()
@@ -437,14 +438,20 @@ def _available_host_memory() -> int:
     return 8 << 30
 
 
-def check_tensor_parallel(config: EngineConfig, model_cls: type, device: torch.device) -> None:
-    """What a tensor-parallel engine cannot do yet, refused before any rank starts."""
+def check_tensor_parallel(
+    config: EngineConfig, model_config: ModelConfig, model_cls: type, device: torch.device
+) -> None:
+    """What a tensor-parallel engine cannot do (yet), refused before any rank starts."""
     size = config.tensor_parallel_size
     if device.type != "cpu":
         raise ValueError(f"tensor_parallel_size={size}: only CPU ranks (Gloo) are supported yet")
-    if not hasattr(model_cls, "shard_of"):
+    if not hasattr(model_cls, "shard_of") or model_config.moe is not None:
         raise ValueError(
-            f"tensor_parallel_size={size}: {model_cls.__name__} cannot be split over ranks yet"
+            f"tensor_parallel_size={size}: {model_cls.__name__} cannot be split over ranks "
+            "yet (mixture-of-experts and MLA models run on one rank)"
         )
+    for rank in range(size):  # every rank's heads split as the model needs
+        with building(TPGroup(rank, size)):
+            model_cls.kv_cache_spec(model_config)
     if size > len(os.sched_getaffinity(0)):
         logger.warning("tensor_parallel_size=%d: more ranks than cores", size)
