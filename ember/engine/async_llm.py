@@ -239,7 +239,10 @@ class AsyncLLM:
             for request_id in sinks:
                 self.output_processor.abort(request_id)
         if sinks and self.client.alive:
-            self.client.send(AbortRequests(list(sinks)))
+            try:
+                self.client.send(AbortRequests(list(sinks)))
+            except EngineDeadError:
+                pass  # it ended meanwhile: nothing left to abort there
         received = self._stats.num_sequences_received  # what the core acknowledged taking
         for sink in sinks.values():
             sink.put(EngineDeadError(message, started=0 < sink.seq <= received))
