@@ -108,6 +108,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="token budget per step (default %(default)s)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="run the model over this many processes on this host (tensor parallel: each "
+        "holds its share of the weights and KV heads, and of the cores; --kv-cache-memory "
+        "is per process) (default %(default)s)",
+    )
+    parser.add_argument(
         "--max-num-seqs",
         type=int,
         default=d.max_num_seqs,
@@ -284,6 +293,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching,

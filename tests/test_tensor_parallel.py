@@ -257,3 +257,33 @@ def test_rank_worker_exits_with_its_parent(tmp_path: Path) -> None:
             return
         time.sleep(0.1)
     pytest.fail("the rank outlived its parent")
+
+
+def test_serve_with_two_ranks_and_a_rank_killed(tiny_checkpoint) -> None:
+    """`ember serve --tensor-parallel-size 2` answers as one process does; with its rank
+    killed, requests get a 503 error body, /health says so, the core process and its
+    rank are gone (a router then sends the sessions to its other workers)."""
+    import httpx
+
+    from server_utils import EmberServer, child_pids, pid_alive
+
+    path = tiny_checkpoint("llama")
+    with LLM(str(path), kv_cache_memory=8 << 20) as llm:
+        expected = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0))
+    server = EmberServer(str(path), "--tensor-parallel-size", "2", "--kv-cache-memory", "8M")
+    try:
+        body = {"model": str(path), "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+        assert reply["choices"][0]["text"] == expected[0].outputs[0].text
+        (rank,) = child_pids(server.core_pid)
+        os.kill(rank, signal.SIGKILL)
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 503
+        assert reply.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+        deadline = time.monotonic() + 10
+        while pid_alive(server.core_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(server.core_pid) and not pid_alive(rank)
+    finally:
+        server.stop()

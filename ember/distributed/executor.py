@@ -243,7 +243,13 @@ class MultiprocExecutor:
             raise RankFailedError(self.failure)
         frame = self._encoder.encode(message)
         for socket in self._sockets:
-            socket.send(frame, copy=False)
+            while True:  # a PAIR socket whose peer is gone blocks: look at the ranks
+                try:
+                    socket.send(frame, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    self.check()
+                    socket.poll(10, zmq.POLLOUT)
 
     def check(self) -> None:
         """RankFailedError if a rank has exited (or failed) since the last look."""
