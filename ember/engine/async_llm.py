@@ -239,8 +239,8 @@ class AsyncLLM:
             for request_id in sinks:
                 self.output_processor.abort(request_id)
         if sinks and self.client.alive:
-            try:
-                self.client.send(AbortRequests(list(sinks)))
+            try:  # a core that is exiting takes no more messages: never wait for it
+                self.client.send(AbortRequests(list(sinks)), wait=False)
             except EngineDeadError:
                 pass  # it ended meanwhile: nothing left to abort there
         received = self._stats.num_sequences_received  # what the core acknowledged taking

@@ -128,11 +128,16 @@ class EngineCoreClient:
                 return message
         raise EngineDeadError(f"engine core did not start within {timeout:.0f} s")
 
-    def send(self, message: EngineInput) -> None:
+    def send(self, message: EngineInput, wait: bool = True) -> None:
+        """`wait=False`: dropped if the core is not there to take it (a core that is
+        exiting has closed its socket, and a send to no peer would block)."""
         if not self.alive:
             raise EngineDeadError("engine core is not running", started=False)
         with self._send_lock:
-            self._input.send(self._encoder.encode(message), copy=False)
+            try:
+                self._input.send(self._encoder.encode(message), 0 if wait else zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def recv(self, timeout_ms: int) -> EngineOutput | None:
         """The next message, or None after timeout_ms; EngineDeadError once the core is
