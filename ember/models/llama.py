@@ -201,6 +201,9 @@ class FusedDecode:
         self.shape = (attn.num_heads, attn.num_kv_heads)
         self.scale = attn.scale
         self.layers = [self._layer_args(layer) for layer in model.layers]
+        # tensor parallel: the kernel sums the o and down projections over the ranks
+        group = attn.o_proj.group
+        self.reduce = group.all_reduce if group.size > 1 else None
 
     @staticmethod
     def _layer_args(layer: LlamaDecoderLayer) -> FusedLayer:
@@ -227,6 +230,7 @@ class FusedDecode:
                 layer.qkv_bias, self.eps, *self.shape, cos, sin, kv_caches[i][0],
                 kv_caches[i][1], meta.slot_mapping, meta.decode_block_table,
                 meta.decode_context_lens, self.scale, PACKED_MIN_ROWS, layer.block_max_rows,
+                self.reduce,
             )  # fmt: skip
         capture(len(self.layers), hidden, residual)
         return hidden + residual
@@ -293,9 +297,7 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Experts):
                 module.pack_for_cpu(weight_dtype)
         backend = self.model.layers[0].self_attn.backend
-        # the C++ layer has no all-reduce inside: tensor-parallel layers run op by op
         fusable = not self.config.qk_norm and self.config.moe is None
-        fusable = fusable and self.lm_head.group.size == 1
         if isinstance(backend, CPUPagedBackend) and fusable:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)
         if bf16_prefill:  # decode batches of BF16_MIN_ROWS and more run in bf16 too

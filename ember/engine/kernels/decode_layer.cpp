@@ -81,7 +81,9 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
                            torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor slots, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t packed_min_rows,
-                           int64_t block_max_rows) {
+                           int64_t block_max_rows, pybind11::object reduce) {
+  // reduce: None, or (tensor parallel) a Python callable summing a tensor over the ranks in
+  // place; it gets the o and down projections' partial products (called with the GIL held)
   TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4,
               "decode_layer: weights");
   const Limits limits{packed_min_rows, block_max_rows};
@@ -97,9 +99,12 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
                                      value_cache, block_tables, context_lens, scale);
   auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], blocks[1],
                   c10::nullopt, limits);
+  if (!reduce.is_none()) reduce(o);
   x = add_rms_norm(residual, o, weights[1], eps);
   auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits));
-  return linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits);
+  auto down = linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits);
+  if (!reduce.is_none()) reduce(down);
+  return down;
 }
 
 void register_decode_layer(pybind11::module& m) {
