@@ -57,20 +57,19 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
     model_config = ModelConfig.from_hf(checkpoint.hf_config)
     runner = ModelRunner(config, model_config, checkpoint, args.max_model_len, group=group)
     socket.send(encoder.encode(ex.Ready(rank, runner.kv_block_bytes, runner.weight_bytes())))
-    model, hidden = runner.model, None
+    model = runner.model
     with torch.inference_mode():
         while True:
             message = decoder.decode(socket.recv())
             if isinstance(message, ex.Forward):
                 ids, positions, meta = ex.decode_forward(message, runner.device)
-                hidden = model(ids, positions, runner.kv_caches, meta)
+                model(ids, positions, runner.kv_caches, meta)  # its part of the collectives
             elif isinstance(message, ex.Logits):
                 model.compute_logits(message.hidden.value().to(runner.device))
             elif isinstance(message, ex.AllocateKV):
                 runner.allocate_kv_cache(message.num_blocks)
             elif isinstance(message, ex.Stop):
                 break
-    del hidden
     runner.close()
 
 
