@@ -117,6 +117,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "is per process) (default %(default)s)",
     )
     parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: split mixture-of-experts layers by expert (each "
+        "process a range of the experts) rather than refuse them",
+    )
+    parser.add_argument(
         "--max-num-seqs",
         type=int,
         default=d.max_num_seqs,
@@ -294,6 +300,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -404,6 +404,9 @@ class EngineConfig:
     # weight matrix and of the KV heads, and its share of the cores. kv_cache_memory is
     # per rank (by default the ranks split the share of host memory)
     tensor_parallel_size: int = 1
+    # mixture-of-experts layers over those ranks by expert (each rank a range of the
+    # experts, every token routed on every rank, the experts' outputs summed over them)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

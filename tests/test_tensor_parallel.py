@@ -134,7 +134,7 @@ def test_gguf_ranks_decode_from_their_blocks(tmp_path: Path, case: str) -> None:
     prompts = [p[:20] for p in PROMPTS]
     single, _ = _run(path, prompts, max_tokens=16)
     with LLM(str(path), kv_cache_memory=8 << 20, tensor_parallel_size=2) as llm:
-        model = llm.engine.core.runner.model.model
+        model = llm.engine.core.runner.model.inner
         blocks = {
             n for n, m in model.named_modules() if isinstance(m, Linear) and m.blocks is not None
         }
@@ -287,3 +287,98 @@ def test_serve_with_two_ranks_and_a_rank_killed(tiny_checkpoint) -> None:
         assert not pid_alive(server.core_pid) and not pid_alive(rank)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_expert_parallel_gives_the_single_process_result(tiny_checkpoint, arch: str) -> None:
+    """Experts split over two ranks (2 of Mixtral's 4 each; 4 of Qwen3-MoE's 8, whose
+    other layers are dense), attention split as above: the single-process result, with
+    each rank holding only its experts and reading nothing of the others'."""
+    from ember.models.moe import Experts
+
+    path = tiny_checkpoint(arch)
+    single, _ = _run(path, max_num_batched_tokens=16)
+    parallel, _ = _run(
+        path, max_num_batched_tokens=16, tensor_parallel_size=2, expert_parallel=True
+    )
+    _assert_same(single, parallel)
+    with LLM(
+        str(path), kv_cache_memory=8 << 20, tensor_parallel_size=2, expert_parallel=True
+    ) as llm:
+        runner = llm.engine.core.runner
+        experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+        assert experts and all(e.num_local * 2 == e.num_experts for e in experts)
+        assert all(e.gate_up_proj.shape[0] == e.num_local for e in experts)
+        shares = [runner.weight_bytes(), *runner.executor.rank_weight_bytes]
+    with LLM(str(path), kv_cache_memory=8 << 20) as llm:
+        whole = llm.engine.core.runner.weight_bytes()
+    assert all(0.45 * whole < share < 0.56 * whole for share in shares)
+
+
+def test_expert_load_per_rank_in_metrics(tiny_checkpoint) -> None:
+    """`ember serve -tp 2 --expert-parallel`: /metrics has each rank's experts' tokens."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server_utils import EmberServer
+
+    server = EmberServer(
+        str(tiny_checkpoint("qwen3_moe")),
+        "-tp",
+        "2",
+        "--expert-parallel",
+        "--kv-cache-memory",
+        "8M",
+    )
+    try:
+        body = {"prompt": list(range(10, 40)), "max_tokens": 6, "temperature": 0}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        deadline = time.monotonic() + 10
+        while True:  # the engine reports the counts when it goes idle
+            samples = [
+                s
+                for family in text_string_to_metric_families(
+                    httpx.get(f"{server.url}/metrics").text
+                )
+                for s in family.samples
+                if s.name.startswith("ember_moe_")
+            ]
+            ranks = {
+                s.labels["rank"]: s.value for s in samples if s.name == "ember_moe_rank_tokens"
+            }
+            if sum(ranks.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    experts = {
+        int(s.labels["expert"]): s.value for s in samples if s.name == "ember_moe_expert_tokens"
+    }
+    assert ranks == {
+        "0": sum(experts[e] for e in range(4)),
+        "1": sum(experts[e] for e in range(4, 8)),
+    }
+    assert sum(ranks.values()) == (30 + 6 - 1) * 2
+
+
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_expert_parallel_from_a_gguf_file(tiny_checkpoint, tmp_path: Path, per_expert) -> None:
+    """A Q8_0 Mixtral GGUF file (experts stacked per projection, or one tensor each) over
+    two expert-parallel ranks: each dequantizes and decodes from the blocks of its own
+    experts only, and the tokens are the single process's."""
+    from gguf_convert import QT, write_gguf
+    from transformers import AutoModelForCausalLM
+
+    from ember.models.moe import Experts
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("mixtral"))
+    path = write_gguf(model, "mixtral", tmp_path / "m.gguf", qtype=QT.Q8_0, per_expert=per_expert)
+    prompts = [p[:20] for p in PROMPTS]
+    single, _ = _run(path, prompts, max_tokens=16)
+    parallel, _ = _run(path, prompts, max_tokens=16, tensor_parallel_size=2, expert_parallel=True)
+    _assert_same(single, parallel)
+    with LLM(
+        str(path), kv_cache_memory=8 << 20, tensor_parallel_size=2, expert_parallel=True
+    ) as llm:
+        experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)]
+    assert all(e.blocks["gate_up_proj"].shape[0] == e.num_local == 2 for e in experts)

@@ -171,6 +171,7 @@ class MultiprocExecutor:
 
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.size = config.tensor_parallel_size
+        self.expert_parallel = config.expert_parallel
         self._dir = tempfile.mkdtemp(prefix="ember-ranks-")
         self._context = zmq.Context()
         self._sockets: list[zmq.Socket] = []
@@ -213,7 +214,7 @@ class MultiprocExecutor:
         )  # fmt: skip
         comm = ShmCommunicator()
         comm.check = self.check
-        return TPGroup(0, self.size, comm)
+        return TPGroup(0, self.size, comm, self.expert_parallel)
 
     def wait_ready(self) -> None:
         """Waits until every rank has loaded its shard (RankFailedError if one failed)."""
@@ -310,18 +311,19 @@ class MultiprocExecutor:
 
 class LeaderModel:
     """Rank 0's model: every forward and logits call goes to the other ranks first, then
-    runs here (the collectives inside pair them up). Other attributes are the model's."""
+    runs here (the collectives inside pair them up). Other attributes are the model's
+    (`inner`)."""
 
-    def __init__(self, model: torch.nn.Module, executor: MultiprocExecutor) -> None:
-        self.model = model
+    def __init__(self, inner: torch.nn.Module, executor: MultiprocExecutor) -> None:
+        self.inner = inner
         self.executor = executor
 
     def __call__(self, input_ids, positions, kv_caches, meta):
-        return self._run(encode_forward(input_ids, positions, meta), self.model, input_ids,
+        return self._run(encode_forward(input_ids, positions, meta), self.inner, input_ids,
                          positions, kv_caches, meta)  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._run(Logits(Tensor.of(hidden)), self.model.compute_logits, hidden)
+        return self._run(Logits(Tensor.of(hidden)), self.inner.compute_logits, hidden)
 
     def _run(self, message: ToRank, call, *args):
         self.executor.send(message)
@@ -334,4 +336,4 @@ class LeaderModel:
             raise
 
     def __getattr__(self, name: str):
-        return getattr(self.model, name)
+        return getattr(self.inner, name)

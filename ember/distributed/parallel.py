@@ -16,9 +16,9 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: the API process reads `split` (metrics)
+    import torch
 
-if TYPE_CHECKING:
     from ember.distributed.shm_comm import ShmCommunicator
 
 
@@ -29,6 +29,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     comm: ShmCommunicator | None = None
+    # mixture-of-experts layers: each rank holds a range of the experts (expert parallel),
+    # the rest of the model split as above
+    expert_parallel: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (in place; every rank gets the same bits)."""
@@ -40,6 +43,8 @@ class TPGroup:
         """Each rank's [rows, widths[rank]] side by side, in rank order: [rows, sum(widths)]."""
         if self.size == 1:
             return tensor
+        import torch
+
         width = max(widths)
         if tensor.shape[1] < width:  # every rank sends the same shape
             tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))

@@ -50,8 +50,8 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
         "gloo", init_method=f"file://{args.store}", rank=rank, world_size=args.size,
         timeout=ex.JOIN_TIMEOUT,
     )  # fmt: skip
-    group = TPGroup(rank, args.size, ShmCommunicator())
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
+    group = TPGroup(rank, args.size, ShmCommunicator(), config.expert_parallel)
     torch.manual_seed(config.seed)
     checkpoint = open_checkpoint(resolve_model(config.model))
     model_config = ModelConfig.from_hf(checkpoint.hf_config)

@@ -112,6 +112,8 @@ class AsyncLLM:
         config = core.config
         self.role = config.kv_role
         self.block_size = config.block_size
+        # the ranks a model's experts are split over (expert parallel), for /metrics
+        self.expert_ranks = config.tensor_parallel_size if config.expert_parallel else 1
         self.kv_store = config.kv_store  # the cluster tier it shares, if any
         self.client = core  # loads the model while we load the tokenizer
         try:

@@ -445,10 +445,15 @@ def check_tensor_parallel(
     size = config.tensor_parallel_size
     if device.type != "cpu":
         raise ValueError(f"tensor_parallel_size={size}: only CPU ranks (Gloo) are supported yet")
-    if not hasattr(model_cls, "shard_of") or model_config.moe is not None:
+    if not hasattr(model_cls, "shard_of") or model_config.mla is not None:
         raise ValueError(
             f"tensor_parallel_size={size}: {model_cls.__name__} cannot be split over ranks "
-            "yet (mixture-of-experts and MLA models run on one rank)"
+            "yet (latent-attention models run on one rank)"
+        )
+    if model_config.moe is not None and not config.expert_parallel:
+        raise ValueError(
+            f"tensor_parallel_size={size}: a mixture-of-experts model splits by expert "
+            "only: add expert_parallel (--expert-parallel)"
         )
     for rank in range(size):  # every rank's heads split as the model needs
         with building(TPGroup(rank, size)):

@@ -109,6 +109,7 @@ _KV_B_PART = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _SKIPPED = frozenset({"rope_freqs.weight"})
 # the part (dim, start, length) of a tensor (by Hugging Face name) that is wanted; None: all
 Narrow = Callable[[str], "tuple[int, int, int] | None"]
+SKIP = (0, 0, 0)  # what `narrow` says of a tensor this rank does not load (another's expert)
 
 
 def read_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -370,14 +371,19 @@ def iter_indexed_blocks(
         if match := _STACKED_EXPERTS.fullmatch(tensor.name):  # expert by expert
             layer, part = match.groups()
             for expert in range(tensor.data.shape[0]):
+                name = _expert_name(layer, expert, part)
+                if narrow is not None and narrow(name) == SKIP:  # another rank's expert
+                    continue
                 rows = np.array(tensor.data[expert], dtype=np.uint8)
                 rows = rows.reshape(rows.shape[0], -1, type_size)
-                yield _expert_name(layer, expert, part), torch.from_numpy(rows)
+                yield name, torch.from_numpy(rows)
             continue
         if len(tensor.shape) != 2:
             continue
         name = _hf_name(tensor.name)
         part = narrow(name) if narrow is not None else None
+        if part == SKIP:
+            continue
         data, num_rows = tensor.data, tensor.data.shape[0]
         if part is not None and part[0] == 0:
             data = data[part[1] : part[1] + part[2]]
@@ -413,12 +419,19 @@ def _iter_weights(
         if match := _STACKED_EXPERTS.fullmatch(name):
             layer, part = match.groups()
             for expert in range(tensor.data.shape[0]):  # one expert's floats at a time
+                name = _expert_name(layer, expert, part)
+                if narrow is not None and narrow(name) == SKIP:  # another rank's expert
+                    yield name, torch.empty(0)
+                    continue
                 weights = _dequantize(tensor, tensor.data[expert])
-                yield _expert_name(layer, expert, part), torch.from_numpy(weights)
+                yield name, torch.from_numpy(weights)
             continue
         part = None
         if narrow is not None and not _KV_B_PART.fullmatch(name):
             part = narrow(_hf_name(name))
+            if part == SKIP:  # another rank's expert
+                yield _hf_name(name), torch.empty(0)
+                continue
         weights = _dequantize(tensor) if part is None else _dequantize_part(tensor, part)
         if match := _KV_B_PART.fullmatch(name):
             layer, part = match.groups()

@@ -106,10 +106,10 @@ def moe_or_dense_mlp(config: ModelConfig, layer: int) -> nn.Module:
     moe = config.moe
     if moe is None or not moe.is_moe_layer(layer):
         return LlamaMLP(config)
-    if tp_group().size > 1:
+    if tp_group().size > 1 and not tp_group().expert_parallel:
         raise ValueError(
-            "tensor_parallel_size > 1 does not split mixture-of-experts layers yet; "
-            "serve this model on one rank"
+            "tensor_parallel_size > 1 splits mixture-of-experts layers by expert only: "
+            "add expert_parallel (--expert-parallel)"
         )
     shared = (
         LlamaMLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
@@ -276,6 +276,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._params: dict[str, nn.Parameter] | None = None  # by name, for shard_of
+        self._experts: ExpertTensors | None = None  # (also for shard_of)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
@@ -339,6 +340,12 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self._params is None:
             self._params = dict(self.named_parameters())
+        if self._experts is None:
+            self._experts = ExpertTensors(self)
+        expert = self._experts.expert_of(name)
+        if expert is not None:  # nothing of an expert another rank holds (expert parallel)
+            layer, index = expert
+            return None if layer.holds(index) else (0, 0, 0)
         return shard_of(self._params, *self._param_name(name))
 
     def _checkpoint_name(self, name: str) -> str | None:

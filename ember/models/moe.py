@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MoEConfig
+from ember.distributed.parallel import TPGroup, split, tp_group
 from ember.models.layers import BLOCK_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS, new_param, silu_and_mul
 
 
@@ -73,14 +74,22 @@ class Experts(nn.Module):
     An expert's matmul over its few rows of a decode step (CPU, fp32 weights) reads the
     GGUF file's blocks of its weights where the file had them in a block format
     (`load_blocks`: ember's block GEMM, bit-identical to the fp32 weights, 4-7x fewer
-    bytes), else streams the weights once through ember's small GEMM."""
+    bytes), else streams the weights once through ember's small GEMM.
+
+    Expert parallel (a group with `expert_parallel`): this rank holds experts [first,
+    first + num_local) only; every rank routes every token (the hidden states are the
+    same on all), runs its own experts' share, and the shares are summed over the ranks.
+    """
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         size = moe.intermediate_size
         self.num_experts = moe.num_experts
-        self.gate_up_proj = new_param(moe.num_experts, 2 * size, hidden_size)
-        self.down_proj = new_param(moe.num_experts, hidden_size, size)
+        group = tp_group()
+        self.group = group if group.expert_parallel else TPGroup()
+        self.first, self.num_local = split(moe.num_experts, self.group.size, self.group.rank)
+        self.gate_up_proj = new_param(self.num_local, 2 * size, hidden_size)
+        self.down_proj = new_param(self.num_local, hidden_size, size)
         self.small_gemm = None  # ember's kernel for an expert's few rows (pack_for_cpu)
         # GGUF blocks of the stacked weights, uint8 [experts, out, blocks per row, bytes
         # per block] (pack_for_cpu keeps them where ember's block GEMM takes them)
@@ -125,6 +134,8 @@ class Experts(nn.Module):
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """One expert's `gate_proj`, `up_proj` or `down_proj` weight ([out, in])."""
         target = self._expert_part(self.gate_up_proj.data, self.down_proj.data, expert, part)
+        if target is None:  # another rank's
+            return
         if target.shape != tensor.shape:
             raise ValueError(
                 f"expert {expert} {part}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
@@ -135,6 +146,8 @@ class Experts(nn.Module):
         """The GGUF blocks of one expert's `part` weight: uint8 [out, blocks per row, bytes
         per block]. Used where every expert's gate, up (and down) came in one format."""
         target = self._expert_part(self.gate_up_proj, self.down_proj, expert, part)
+        if target is None:
+            return
         if rows.dim() != 3 or rows.dtype != torch.uint8 or rows.shape[0] != target.shape[0]:
             raise ValueError(
                 f"expert {expert} {part}: blocks of shape {tuple(rows.shape)} ({rows.dtype}) "
@@ -142,9 +155,17 @@ class Experts(nn.Module):
             )
         self._block_parts[part, expert] = rows
 
-    def _expert_part(self, gate_up, down, expert: int, part: str) -> torch.Tensor:
+    def holds(self, expert: int) -> bool:
+        """Whether this rank holds expert `expert` (every rank does without EP)."""
+        return self.first <= expert < self.first + self.num_local
+
+    def _expert_part(self, gate_up, down, expert: int, part: str) -> torch.Tensor | None:
+        """The rows of `part` of expert `expert` (None: another rank holds it)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range (the layer has {self.num_experts})")
+        if not self.holds(expert):
+            return None
+        expert -= self.first
         if part == "down_proj":
             return down[expert]
         size = down.shape[2]
@@ -155,13 +176,14 @@ class Experts(nn.Module):
         """All experts' blocks of `name` (gate_up_proj: gate's rows, then up's), if every
         expert's came, in one format."""
         parts = ("down_proj",) if name == "down_proj" else ("gate_proj", "up_proj")
-        keys = [(part, e) for e in range(self.num_experts) for part in parts]
+        local = range(self.first, self.first + self.num_local)
+        keys = [(part, e) for e in local for part in parts]
         if any(key not in self._block_parts for key in keys):
             return None
         rows = [self._block_parts[key] for key in keys]
         if len({r.shape[1:] for r in rows}) != 1:
             return None
-        return torch.cat(rows).view(self.num_experts, -1, *rows[0].shape[1:])
+        return torch.cat(rows).view(self.num_local, -1, *rows[0].shape[1:])
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """sum over each token's experts e of weight_e * expert_e(token)."""
@@ -172,20 +194,22 @@ class Experts(nn.Module):
         self.tokens_per_expert += counts.to(self.tokens_per_expert.device)
         token_of = order // top_k
         rows = hidden.index_select(0, token_of)
-        out = torch.empty_like(rows)
+        # another rank's experts leave zeros here (expert parallel)
+        out = torch.empty_like(rows) if self.group.size == 1 else torch.zeros_like(rows)
         start = 0
         for expert, count in enumerate(counts.tolist()):
-            if count == 0:
-                continue
             part = slice(start, start + count)
-            gate_up = self._matmul(rows[part], "gate_up_proj", expert)
-            out[part] = self._matmul(silu_and_mul(gate_up), "down_proj", expert)
             start += count
+            if count == 0 or not self.holds(expert):
+                continue
+            gate_up = self._matmul(rows[part], "gate_up_proj", expert - self.first)
+            out[part] = self._matmul(silu_and_mul(gate_up), "down_proj", expert - self.first)
         out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(hidden).index_add_(0, token_of, out)
+        summed = torch.zeros_like(hidden).index_add_(0, token_of, out)
+        return self.group.all_reduce(summed)
 
     def _matmul(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
-        """x times expert `expert`'s `name` weight: decode rows from its GGUF blocks or
+        """x times this rank's expert `expert`'s `name` weight: decode rows from its GGUF blocks or
         through the small GEMM (W streamed once), more rows through F.linear."""
         rows = x.shape[0]
         blocks = self.blocks[name]
@@ -228,6 +252,12 @@ class ExpertTensors:
     def __init__(self, model: nn.Module) -> None:
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
         self.counts: Counter[str] = Counter()
+
+    def expert_of(self, name: str) -> tuple[Experts, int] | None:
+        """The layer and expert index of a per-expert tensor's name; None for others."""
+        match = _EXPERT.match(name)
+        layer = self.layers.get(match.group(1)) if match else None
+        return None if layer is None else (layer, int(match.group(2)))
 
     def load(self, name: str, tensor: torch.Tensor, blocks: bool = False) -> bool:
         """False if `name` is not a per-expert tensor; `blocks`: `tensor` is its GGUF

@@ -152,7 +152,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus():
-        text = metrics.render(llm.stats(), llm.num_waiting, llm.expert_tokens())
+        text = metrics.render(llm.stats(), llm.num_waiting, llm.expert_tokens(), llm.expert_ranks)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

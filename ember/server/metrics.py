@@ -10,6 +10,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ember.distributed.parallel import split
 from ember.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -100,6 +101,11 @@ class ServerMetrics:
             "ember_moe_expert_tokens", "MoE models: tokens routed to each expert of each MoE "
             "layer, since start.", [*labels, "layer", "expert"], registry=r,
         )  # fmt: skip
+        self.rank_tokens = Gauge(
+            "ember_moe_rank_tokens", "MoE models with expert parallel: tokens routed to each "
+            "rank's experts, per MoE layer, since start.", [*labels, "layer", "rank"],
+            registry=r,
+        )  # fmt: skip
         self.expert_imbalance = Gauge(
             "ember_moe_expert_imbalance", "MoE models: the busiest expert's tokens over the "
             "mean, per MoE layer (1: balanced).", [*labels, "layer"], registry=r,
@@ -134,11 +140,16 @@ class ServerMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, stats, num_waiting: int, expert_tokens=()) -> bytes:
+    def render(self, stats, num_waiting: int, expert_tokens=(), expert_ranks: int = 1) -> bytes:
+        """`expert_ranks`: the ranks the experts are split over (expert parallel)."""
         name = self.model_name
         for layer, counts in expert_tokens:
             for expert, count in enumerate(counts):
                 self.expert_tokens.labels(name, str(layer), str(expert)).set(count)
+            for rank in range(expert_ranks if expert_ranks > 1 else 0):
+                first, num = split(len(counts), expert_ranks, rank)
+                tokens = sum(counts[first : first + num])
+                self.rank_tokens.labels(name, str(layer), str(rank)).set(tokens)
             mean = sum(counts) / len(counts)
             self.expert_imbalance.labels(name, str(layer)).set(max(counts) / mean if mean else 0)
         self.running.labels(name).set(stats.num_running)
