@@ -2,6 +2,10 @@
 second, the share of rank 0's step spent in collectives, and each rank's peak RSS.
 
     python benchmarks/tensor_parallel.py [--model smollm2-135m] [--batch 1 4] [--tokens 64]
+    python benchmarks/tensor_parallel.py --moe DIR   # a random ~2 GB Qwen3-MoE, EP=2
+
+`--moe DIR` builds (once) a random-init Qwen3-MoE of about 2 GB in DIR (8 layers of 32
+experts, 8 a token) and runs its TP=2 configuration with expert parallelism.
 
 Each configuration runs in a fresh process (peak RSS of its own): TP=1 on one thread,
 TP=1 on as many threads as TP=2 has cores, TP=2 with one core per rank. Per batch size:
@@ -37,7 +41,8 @@ def run_one(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     comm_s = [0.0]
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=1024,
-              kv_cache_memory=256 << 20, max_step_ms=0)  # fmt: skip
+              kv_cache_memory=256 << 20, max_step_ms=0,
+              expert_parallel=args.expert_parallel and args.tp > 1)  # fmt: skip
     runner = llm.engine.core.runner
     if args.tp > 1:
         comm = runner.group.comm
@@ -55,7 +60,10 @@ def run_one(args: argparse.Namespace) -> dict:
     text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     result = {"tp": args.tp, "threads": args.threads, "batches": {}}
     for batch in args.batch:
-        prompts = [tokenizer.encode(f"{i}. {text}") for i in range(batch)]
+        if args.expert_parallel:  # the random MoE (--moe) has no tokenizer
+            prompts = [[(7 * j + i) % 1000 + 5 for j in range(20)] for i in range(batch)]
+        else:
+            prompts = [tokenizer.encode(f"{i}. {text}") for i in range(batch)]
         params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts, params)  # warm-up
         stats = llm.engine.stats()
@@ -82,9 +90,31 @@ def run_one(args: argparse.Namespace) -> dict:
     return result
 
 
+def build_moe(directory: str) -> str:
+    """A random-init Qwen3-MoE of about 2 GB (fp32), saved once in `directory`."""
+    from pathlib import Path
+
+    if (Path(directory) / "config.json").exists():
+        return directory
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, moe_intermediate_size=512,
+        num_experts=32, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--moe", default=None, help="build and run a random MoE in this dir")
+    parser.add_argument("--expert-parallel", action="store_true", help="(internal)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--tp", type=int, default=None, help="(internal) one configuration")
@@ -93,6 +123,8 @@ def main() -> None:
     if args.tp is not None:
         print(json.dumps(run_one(args)))
         return
+    if args.moe is not None:
+        args.model = build_moe(args.moe)
     cores = len(os.sched_getaffinity(0))
     configs = [(1, 1), (1, min(2, cores)), (2, 1)]
     print(f"model {args.model}, {args.tokens} new tokens, {cores} cores")
@@ -102,9 +134,11 @@ def main() -> None:
         command = [sys.executable, __file__, "--model", args.model, "--tp", str(tp),
                    "--threads", str(threads), "--tokens", str(args.tokens),
                    "--batch", *map(str, args.batch)]  # fmt: skip
+        command += ["--expert-parallel"] if args.moe is not None else []
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         result = json.loads(out.strip().splitlines()[-1])
-        name = f"TP={tp} ({threads} thr{'/rank' if tp > 1 else ''})"
+        kind = "EP" if args.moe is not None and tp > 1 else "TP"
+        name = f"{kind}={tp} ({threads} thr{'/rank' if tp > 1 else ''})"
         for batch, row in result["batches"].items():
             rss = " ".join(f"{mb:.0f}" for mb in result["peak_rss_mb"])
             weights = " ".join(f"{mb:.0f}" for mb in result["weight_mb"])

@@ -44,6 +44,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache size, e.g. 2G (default: from free memory)",
     )
     parser.add_argument(
+        "--max-rank-memory",
+        type=parse_bytes,
+        default=None,
+        help="the memory one process (rank) may take for its weights and KV cache, e.g. 8G: "
+        "a model whose share does not fit is refused before its weights are read (name more "
+        "ranks with --tensor-parallel-size); the KV cache gets what the weights leave",
+    )
+    parser.add_argument(
         "--kv-offload-memory",
         type=parse_bytes,
         default=None,
@@ -288,6 +296,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        max_rank_memory=args.max_rank_memory,
         kv_offload_memory=args.kv_offload_memory,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_size=args.kv_disk_size,

@@ -404,6 +404,10 @@ class EngineConfig:
     # weight matrix and of the KV heads, and its share of the cores. kv_cache_memory is
     # per rank (by default the ranks split the share of host memory)
     tensor_parallel_size: int = 1
+    # bytes one process (rank) may take for its weights and KV cache: a model whose share
+    # does not fit is refused before its weights are read; without kv_cache_memory, the
+    # KV cache gets what the weights leave (ModelRunner.kv_cache_budget)
+    max_rank_memory: int | None = None
     # mixture-of-experts layers over those ranks by expert (each rank a range of the
     # experts, every token routed on every rank, the experts' outputs summed over them)
     expert_parallel: bool = False
@@ -411,6 +415,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.max_rank_memory is not None:
+            _positive("max_rank_memory", self.max_rank_memory)
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

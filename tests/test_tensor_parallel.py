@@ -382,3 +382,21 @@ def test_expert_parallel_from_a_gguf_file(tiny_checkpoint, tmp_path: Path, per_e
     ) as llm:
         experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)]
     assert all(e.blocks["gate_up_proj"].shape[0] == e.num_local == 2 for e in experts)
+
+
+def test_a_model_over_its_rank_budget_is_served_by_two(tiny_checkpoint) -> None:
+    """max_rank_memory below the whole model's weights and above half of them: one
+    process is refused before reading a weight (the message names the ranks it needs),
+    two serve it, and each rank's KV pool gets what its weights leave."""
+    path = str(tiny_checkpoint("llama"))
+    with LLM(path, kv_cache_memory=8 << 20) as llm:
+        whole = llm.engine.core.runner.weight_bytes()
+    limit = int(0.75 * whole)
+    with pytest.raises(ValueError, match=r"max_rank_memory=.*tensor_parallel_size=2"):
+        LLM(path, max_rank_memory=limit, max_model_len=256)
+    with LLM(path, max_rank_memory=limit, max_model_len=256, tensor_parallel_size=2) as llm:
+        runner = llm.engine.core.runner
+        assert runner.weight_bytes() < 0.55 * whole
+        assert llm.engine.core.kv_cache.num_blocks == (limit - runner.weight_bytes()) // 4096
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4

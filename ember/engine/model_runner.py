@@ -114,6 +114,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         startup.mark("model built")  # with the CPU kernels loaded (the attention backend)
+        self._check_rank_memory(model, packs, bf16_prefill)
         with _loading_threads():
             self._load_weights(model, checkpoint, packs, bf16_prefill)
         return model.eval()
@@ -138,6 +139,29 @@ class ModelRunner:
         elif self.weight_dtype != self.dtype:
             raise ValueError(
                 f"dtype {self.weight_dtype} on CPU needs oneDNN (torch.backends.mkldnn)"
+            )
+
+    def _check_rank_memory(self, model: torch.nn.Module, packs: bool, bf16_prefill: bool):
+        """Refuses, before any weight is read, a model whose share on this rank does not fit
+        max_rank_memory: its parameters, oneDNN's packed copies of its matmul weights (in
+        bf16 under bf16_prefill), and kv_cache_memory where given."""
+        limit = self.config.max_rank_memory
+        if limit is None:
+            return
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        packed = sum(
+            m.weight.numel() * (2 if bf16_prefill else self.weight_dtype.itemsize)
+            for m in model.modules()
+            if isinstance(m, Linear) and packs
+        )
+        need = params + packed + (self.config.kv_cache_memory or 0)
+        if need > limit:
+            ranks = self.group.size * -(-need // limit)
+            raise ValueError(
+                f"max_rank_memory={limit}: rank {self.group.rank}'s share of the model needs "
+                f"about {need / 2**30:.2f} GiB (weights and packed copies"
+                f"{', kv_cache_memory' if self.config.kv_cache_memory else ''}); split it over "
+                f"more processes, e.g. tensor_parallel_size={ranks}"
             )
 
     def _bf16_prefill(self) -> bool:
@@ -201,6 +225,8 @@ class ModelRunner:
         """Bytes for the KV cache: the user's figure, or a share of free memory."""
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
+        if self.config.max_rank_memory is not None:  # what this rank's weights leave
+            return max(self.config.max_rank_memory - self.weight_bytes(), 0)
         fraction = self.config.kv_cache_memory_fraction
         if self.device.type == "cuda":
             self._profile_peak_memory()
