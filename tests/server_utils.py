@@ -156,6 +156,25 @@ class EmberServer:
         return self.process.returncode
 
 
+def moe_samples(url: str, counted: str, timeout: float = 10.0) -> list:
+    """The `ember_moe_*` samples of a server's /metrics once a `counted` sample is above
+    zero (the engine reports expert counts when it goes idle), or the last read at timeout."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        samples = [
+            s
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("ember_moe_")
+        ]
+        if any(s.value for s in samples if s.name == counted) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
 def tiny_server(tiny_checkpoint, *args: str):
     """The body of a module fixture: `ember serve` of the tiny llama checkpoint, served as
     "tiny" with `args`, stopped (and checked to exit cleanly) after the module."""

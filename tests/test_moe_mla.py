@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from test_kv_connector import decode, make_core, prefill, run, settle, tokens
 from test_models import PROMPTS, SMALL_KV, hf_reference, prefill_logits, token_ids
@@ -26,7 +24,7 @@ from ember.config import ModelConfig
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.mla import MLABackend, MLAWeights
 from ember.models.moe import Experts, SparseMoE, TopKRouter
-from server_utils import WORKER_ARGS, EmberServer, Up
+from server_utils import WORKER_ARGS, EmberServer, Up, moe_samples
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -305,24 +303,10 @@ def test_metrics_count_the_tokens_each_expert_took(tiny_checkpoint):
         prompt = list(range(10, 40))
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-        deadline = time.monotonic() + 10
-        while True:  # the engine reports the counts when it goes idle
-            samples = [
-                s
-                for family in text_string_to_metric_families(
-                    httpx.get(f"{server.url}/metrics").text
-                )
-                for s in family.samples
-                if s.name.startswith("ember_moe_")
-            ]
-            tokens = {
-                s.labels["expert"]: s.value for s in samples if s.name == "ember_moe_expert_tokens"
-            }
-            if sum(tokens.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        samples = moe_samples(server.url, "ember_moe_expert_tokens")
     finally:
         server.stop()
+    tokens = {s.labels["expert"]: s.value for s in samples if s.name == "ember_moe_expert_tokens"}
     # layer 1 is the one MoE layer: 8 experts, 2 a token, every token computed once
     assert {s.labels["layer"] for s in samples} == {"1"} and len(tokens) == 8
     assert sum(tokens.values()) == (len(prompt) + 6 - 1) * 2

@@ -318,9 +318,8 @@ def test_expert_parallel_gives_the_single_process_result(tiny_checkpoint, arch: 
 def test_expert_load_per_rank_in_metrics(tiny_checkpoint) -> None:
     """`ember serve -tp 2 --expert-parallel`: /metrics has each rank's experts' tokens."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
-    from server_utils import EmberServer
+    from server_utils import EmberServer, moe_samples
 
     server = EmberServer(
         str(tiny_checkpoint("qwen3_moe")),
@@ -333,24 +332,10 @@ def test_expert_load_per_rank_in_metrics(tiny_checkpoint) -> None:
     try:
         body = {"prompt": list(range(10, 40)), "max_tokens": 6, "temperature": 0}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-        deadline = time.monotonic() + 10
-        while True:  # the engine reports the counts when it goes idle
-            samples = [
-                s
-                for family in text_string_to_metric_families(
-                    httpx.get(f"{server.url}/metrics").text
-                )
-                for s in family.samples
-                if s.name.startswith("ember_moe_")
-            ]
-            ranks = {
-                s.labels["rank"]: s.value for s in samples if s.name == "ember_moe_rank_tokens"
-            }
-            if sum(ranks.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        samples = moe_samples(server.url, "ember_moe_rank_tokens")
     finally:
         server.stop()
+    ranks = {s.labels["rank"]: s.value for s in samples if s.name == "ember_moe_rank_tokens"}
     experts = {
         int(s.labels["expert"]): s.value for s in samples if s.name == "ember_moe_expert_tokens"
     }
