@@ -103,8 +103,7 @@ class Forward(msgspec.Struct, tag=True):
     slot_mapping: Tensor
     num_decodes: int
     num_decode_seqs: int | None
-    decode_block_table: Tensor | None
-    decode_mask: Tensor | None
+    decode_block_table: Tensor | None  # (the decode mask is made again from these two)
     decode_context_lens: Tensor | None
     prefills: list[Prefill]
 
@@ -132,23 +131,25 @@ def encode_forward(input_ids, positions, meta) -> Forward:
     return Forward(
         Tensor.of(input_ids), Tensor.of(positions), Tensor.of(meta.slot_mapping),
         meta.num_decodes, meta.num_decode_seqs, opt(meta.decode_block_table),
-        opt(meta.decode_mask), opt(meta.decode_context_lens), prefills,
+        opt(meta.decode_context_lens), prefills,
     )  # fmt: skip
 
 
-def decode_forward(message: Forward, device: torch.device):
+def decode_forward(message: Forward, device: torch.device, block_size: int):
     """(input_ids, positions, AttentionMetadata) of a Forward, on `device`."""
     from ember.engine.attention import AttentionMetadata, PrefillSeq
+    from ember.engine.model_runner import decode_mask
 
     def opt(tensor):
         return None if tensor is None else tensor.value().to(device)
 
+    table, context = opt(message.decode_block_table), opt(message.decode_context_lens)
     meta = AttentionMetadata(
         slot_mapping=message.slot_mapping.value().to(device),
         num_decodes=message.num_decodes,
-        decode_block_table=opt(message.decode_block_table),
-        decode_mask=opt(message.decode_mask),
-        decode_context_lens=opt(message.decode_context_lens),
+        decode_block_table=table,
+        decode_mask=None if table is None else decode_mask(context, table.shape[1], block_size),
+        decode_context_lens=context,
         prefills=[
             PrefillSeq(p.query_start, p.query_len, p.context_len, p.block_ids.value().to(device))
             for p in message.prefills

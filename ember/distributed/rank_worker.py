@@ -9,7 +9,6 @@ tells rank 0 why before it exits on an error.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -20,14 +19,14 @@ import zmq
 
 from ember import envs
 from ember.distributed import executor as ex
+from ember.engine.core_proc import die_with_parent
 
 logger = logging.getLogger("ember.distributed")
 
 
 def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    """SIGKILL when rank 0 dies: a rank holds nothing worth a clean exit."""
+    die_with_parent(signal.SIGKILL)
 
 
 def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
@@ -62,7 +61,7 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
         while True:
             message = decoder.decode(socket.recv())
             if isinstance(message, ex.Forward):
-                ids, positions, meta = ex.decode_forward(message, runner.device)
+                ids, positions, meta = ex.decode_forward(message, runner.device, runner.block_size)
                 model(ids, positions, runner.kv_caches, meta)  # its part of the collectives
             elif isinstance(message, ex.Logits):
                 model.compute_logits(message.hidden.value().to(runner.device))

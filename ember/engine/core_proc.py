@@ -104,11 +104,11 @@ class EngineCoreProc:
         self.output.send(self.encoder.encode(message), copy=False)
 
 
-def _die_with_parent() -> None:
-    """Asks Linux to SIGTERM this process when its parent dies (no-op elsewhere)."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Asks Linux to send this process `sig` when its parent dies (no-op elsewhere)."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s"
     )
     parent_pid = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(args.input)

@@ -398,8 +398,14 @@ def _decode_tables(rows: list[tuple[list[int], int]], block_size: int, device):
     width = max(len(ids) for ids, _ in rows)
     table = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
     context = torch.tensor([n for _, n in rows])
-    mask = torch.arange(width * block_size).unsqueeze(0) < context.unsqueeze(1)
-    return table.to(device), mask[:, None, None, :].to(device), context.to(device)
+    mask = decode_mask(context, width, block_size)
+    return table.to(device), mask.to(device), context.to(device)
+
+
+def decode_mask(context: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """[rows, 1, 1, width * block_size]: which slots of its blocks each decode row reads."""
+    mask = torch.arange(width * block_size, device=context.device).unsqueeze(0)
+    return (mask < context.unsqueeze(1))[:, None, None, :]
 
 
 def profile_batch(num_tokens: int, max_model_len: int, block_size: int, device: torch.device):
