@@ -77,16 +77,13 @@ def test_four_ranks_share_kv_heads_and_survive_preemption(tiny_checkpoint) -> No
     path = tiny_checkpoint("llama")
     block_bytes = 2 * 16 * 2 * 2 * 16 * 4  # layers x tokens x (k, v) x KV heads x dim x fp32
     blocks = 7  # of the 12 the three sequences need at once
-    single, (preempted, _) = _run(
-        path, max_tokens=24, max_model_len=96, kv_cache_memory=blocks * block_bytes
-    )
+    # no step budget: its chunk sizes follow measured step times, and preemptions with them
+    options = dict(max_tokens=24, max_model_len=96, max_step_ms=0)
+    single, (preempted, _) = _run(path, kv_cache_memory=blocks * block_bytes, **options)
+    # kv_cache_memory is per rank, and a rank has one KV head of two
     parallel, (preempted_tp, _) = _run(
-        path,
-        max_tokens=24,
-        max_model_len=96,
-        kv_cache_memory=blocks * block_bytes // 2,
-        tensor_parallel_size=4,
-    )  # fmt: skip  (kv_cache_memory is per rank, and a rank has one KV head of two)
+        path, kv_cache_memory=blocks * block_bytes // 2, tensor_parallel_size=4, **options
+    )
     assert preempted > 0 and preempted_tp == preempted
     _assert_same(single, parallel)
 
