@@ -1,8 +1,16 @@
-"""One model over 1 or 2 processes (tensor parallel): decode step time, output tokens per
-second, the share of rank 0's step spent in collectives, and each rank's peak RSS.
+"""One model over 1 or 2 processes (tensor or pipeline parallel): decode step time, output
+tokens per second, the share of rank 0's step spent in collectives, and each rank's peak RSS.
 
     python benchmarks/tensor_parallel.py [--model smollm2-135m] [--batch 1 4] [--tokens 64]
     python benchmarks/tensor_parallel.py --moe DIR   # a random ~2 GB Qwen3-MoE, EP=2
+    python benchmarks/tensor_parallel.py --pipeline --batch 4 8   # PP=2, 1 or 2 steps in flight
+
+`--pipeline` runs PP=2 (one core per stage) instead of TP=2, once with a step at a time
+(EMBER_PIPELINE_STEPS_IN_FLIGHT=1: the stages take turns) and once with two steps in
+flight (the default: the running requests split over two steps, the first stage running
+one while the second runs the other). Its "step ms" is the engine's mean time from a
+step's submission to its tokens, and "in coll." the share of rank 0's time spent waiting
+for the last stage's hidden states.
 
 `--moe DIR` builds (once) a random-init Qwen3-MoE of about 2 GB in DIR (8 layers of 32
 experts, 8 a token) and runs its TP=2 configuration with expert parallelism.
@@ -40,11 +48,23 @@ def run_one(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     comm_s = [0.0]
-    llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=1024,
-              kv_cache_memory=256 << 20, max_step_ms=0,
+    llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+              max_model_len=1024, kv_cache_memory=256 << 20, max_step_ms=0,
               expert_parallel=args.expert_parallel and args.tp > 1)  # fmt: skip
     runner = llm.engine.core.runner
-    if args.tp > 1:
+    if args.pp > 1:
+        from ember.distributed.executor import PendingHidden
+
+        result_of = PendingHidden.result
+
+        def waited(pending):
+            start = time.perf_counter()
+            out = result_of(pending)
+            comm_s[0] += time.perf_counter() - start
+            return out
+
+        PendingHidden.result = waited
+    elif args.tp > 1:
         comm = runner.group.comm
         for name in ("all_reduce", "all_gather"):
             call = getattr(comm, name)
@@ -58,7 +78,7 @@ def run_one(args: argparse.Namespace) -> dict:
             setattr(comm, name, timed)
     tokenizer = llm.get_tokenizer()
     text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-    result = {"tp": args.tp, "threads": args.threads, "batches": {}}
+    result = {"tp": args.tp, "pp": args.pp, "threads": args.threads, "batches": {}}
     for batch in args.batch:
         if args.expert_parallel:  # the random MoE (--moe) has no tokenizer
             prompts = [[(7 * j + i) % 1000 + 5 for j in range(20)] for i in range(batch)]
@@ -117,7 +137,9 @@ def main() -> None:
     parser.add_argument("--expert-parallel", action="store_true", help="(internal)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--pipeline", action="store_true", help="PP=2 instead of TP=2")
     parser.add_argument("--tp", type=int, default=None, help="(internal) one configuration")
+    parser.add_argument("--pp", type=int, default=1, help="(internal)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.tp is not None:
@@ -126,23 +148,31 @@ def main() -> None:
     if args.moe is not None:
         args.model = build_moe(args.moe)
     cores = len(os.sched_getaffinity(0))
-    configs = [(1, 1), (1, min(2, cores)), (2, 1)]
+    # (tp, pp, threads per rank, steps in flight)
+    configs = [(1, 1, 1, None), (1, 1, min(2, cores), None)]
+    configs += [(1, 2, 1, 1), (1, 2, 1, 2)] if args.pipeline else [(2, 1, 1, None)]
     print(f"model {args.model}, {args.tokens} new tokens, {cores} cores")
-    print(f"{'config':<16} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'in coll.':>8}  "
+    print(f"{'config':<22} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'in coll.':>8}  "
           "peak RSS MB per rank / weights MB")  # fmt: skip
-    for tp, threads in configs:
+    for tp, pp, threads, in_flight in configs:
         command = [sys.executable, __file__, "--model", args.model, "--tp", str(tp),
-                   "--threads", str(threads), "--tokens", str(args.tokens),
+                   "--pp", str(pp), "--threads", str(threads), "--tokens", str(args.tokens),
                    "--batch", *map(str, args.batch)]  # fmt: skip
         command += ["--expert-parallel"] if args.moe is not None else []
-        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        result = json.loads(out.strip().splitlines()[-1])
-        kind = "EP" if args.moe is not None and tp > 1 else "TP"
-        name = f"{kind}={tp} ({threads} thr{'/rank' if tp > 1 else ''})"
+        env = dict(os.environ)
+        if in_flight is not None:
+            env["EMBER_PIPELINE_STEPS_IN_FLIGHT"] = str(in_flight)
+        out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        if pp > 1:
+            name = f"PP={pp}, {in_flight} in flight"
+        else:
+            kind = "EP" if args.moe is not None and tp > 1 else "TP"
+            name = f"{kind}={tp} ({threads} thr{'/rank' if tp > 1 else ''})"
         for batch, row in result["batches"].items():
             rss = " ".join(f"{mb:.0f}" for mb in result["peak_rss_mb"])
             weights = " ".join(f"{mb:.0f}" for mb in result["weight_mb"])
-            print(f"{name:<16} {batch:>5} {row['tok_s']:>8.1f} {row['step_ms']:>8.2f} "
+            print(f"{name:<22} {batch:>5} {row['tok_s']:>8.1f} {row['step_ms']:>8.2f} "
                   f"{row['comm_share']:>8.0%}  {rss} / {weights}", flush=True)  # fmt: skip
 
 

@@ -125,6 +125,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "is per process) (default %(default)s)",
     )
     parser.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=d.pipeline_parallel_size,
+        help="split the model's layers over this many stages of --tensor-parallel-size "
+        "processes each (pipeline parallel: each stage a range of layers and their KV "
+        "cache; one step in flight per stage) (default %(default)s)",
+    )
+    parser.add_argument(
         "--expert-parallel",
         action="store_true",
         help="with --tensor-parallel-size: split mixture-of-experts layers by expert (each "
@@ -309,6 +318,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         expert_parallel=args.expert_parallel,
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,

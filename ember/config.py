@@ -411,14 +411,24 @@ class EngineConfig:
     # mixture-of-experts layers over those ranks by expert (each rank a range of the
     # experts, every token routed on every rank, the experts' outputs summed over them)
     expert_parallel: bool = False
+    # the model's layers over this many stages of tensor_parallel_size ranks each
+    # (pipeline parallel): each stage a contiguous range of layers and their KV cache,
+    # the first the embedding and head too; as many steps in flight as stages
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """The processes (ranks) one model runs over."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.max_rank_memory is not None:
             _positive("max_rank_memory", self.max_rank_memory)
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
+        if self.world_size > 1:
+            self._check_parallel()
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("min_prefill_tokens", self.min_prefill_tokens)
@@ -511,13 +521,15 @@ class EngineConfig:
                 "disaggregated workers run on CPU for now; pass device cpu"
             )
 
-    def _check_tensor_parallel(self) -> None:
-        refused = _tensor_parallel_refusals(self)
+    def _check_parallel(self) -> None:
+        refused = _parallel_refusals(self)
         if refused:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
-                f"{', '.join(refused)} yet"
+            name = (
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+                if self.pipeline_parallel_size == 1
+                else f"pipeline_parallel_size={self.pipeline_parallel_size}"
             )
+            raise ValueError(f"{name} does not work with {', '.join(refused)} yet")
 
     def resolve_device(self) -> torch.device:
         import torch
@@ -534,16 +546,19 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
-def _tensor_parallel_refusals(config: EngineConfig) -> list[str]:
+def _parallel_refusals(config: EngineConfig) -> list[str]:
     """What runs on one rank only for now (the KV connectors and hidden-state drafters
-    read and write rank 0's KV and hidden states alone)."""
+    read and write rank 0's KV and hidden states alone; a pipeline's steps overlap, and
+    drafts need each step's tokens before the next)."""
     refused = []
     if config.kv_role != "mixed":
         refused.append(f"kv_role {config.kv_role!r} (disaggregation)")
     for name in ("kv_offload_memory", "kv_disk_dir", "kv_store"):
         if getattr(config, name) is not None:
             refused.append(f"{name} (KV tiers)")
-    if config.speculative_method in ("eagle3", "mtp"):
+    if config.speculative_method in ("eagle3", "mtp") or (
+        config.speculative_method is not None and config.pipeline_parallel_size > 1
+    ):
         refused.append(f"speculative_method {config.speculative_method!r}")
     return refused
 

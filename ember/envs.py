@@ -69,3 +69,17 @@ def engine_core_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("GOMP_SPINCOUNT", ENGINE_GOMP_SPINCOUNT)
     return env
+
+
+def pipeline_steps_in_flight(num_stages: int) -> int:
+    """Steps a pipeline-parallel engine keeps in flight: one per stage, or
+    $EMBER_PIPELINE_STEPS_IN_FLIGHT (1: a step at a time, the stages taking turns; what
+    benchmarks/tensor_parallel.py --pipeline compares)."""
+    value = os.environ.get("EMBER_PIPELINE_STEPS_IN_FLIGHT", "").strip()
+    if not value or num_stages == 1:
+        return num_stages
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"EMBER_PIPELINE_STEPS_IN_FLIGHT must be a positive integer; got {value!r}"
+        )
+    return int(value)

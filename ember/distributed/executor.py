@@ -7,6 +7,11 @@ of some hidden rows) to the other ranks, which make the same call on their shard
 (`ember.distributed.rank_worker`), so that every rank enters the same collectives in the
 same order. Only rank 0 samples, keeps requests and runs the KV connectors.
 
+Pipeline stages (ember.distributed.parallel.PipelineStage): rank 0's forward is the first
+stage's; it sends the residual stream on to the next stage (torch.distributed isend) and
+returns a `PendingHidden` for the last stage's, which arrives while rank 0 starts the
+next step. Logits calls go to the first stage only (it holds the head).
+
 Messages are msgspec structs over a ZeroMQ PAIR socket per rank (ipc, in a private
 directory): `Hello` (imports done) -> every rank joins the process group -> `Ready`
 (model loaded: its KV block bytes and weight bytes) or `Failed` -> `AllocateKV`, then
@@ -37,7 +42,7 @@ import zmq
 
 from ember import envs
 from ember.config import EngineConfig
-from ember.distributed.parallel import TPGroup
+from ember.distributed.parallel import PipelineStage, TPGroup, wait
 from ember.distributed.shm_comm import ShmCommunicator
 
 logger = logging.getLogger("ember.distributed")
@@ -159,6 +164,28 @@ def decode_forward(message: Forward, device: torch.device, block_size: int):
     return message.input_ids.value().to(device), message.positions.value().to(device), meta
 
 
+def join_group(
+    rank: int, size: int, tp_size: int, store: str, expert_parallel: bool
+) -> tuple[TPGroup, PipelineStage]:
+    """Joins the process group of `size` ranks (stages of `tp_size` ranks each); this
+    rank's tensor-parallel group (its stage's ranks, over shared memory) and stage."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=size, timeout=JOIN_TIMEOUT
+    )
+    stage, tp_rank = divmod(rank, tp_size)
+    comm = None
+    if tp_size == size:
+        comm = ShmCommunicator()
+    elif tp_size > 1:  # every rank makes every stage's group, in the same order
+        groups = [
+            dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+            for s in range(size // tp_size)
+        ]
+        comm = ShmCommunicator(groups[stage])
+    group = TPGroup(tp_rank, tp_size, comm, expert_parallel)
+    return group, PipelineStage(stage, size // tp_size, tp_rank, tp_size)
+
+
 def rank_cores(size: int, rank: int) -> list[int]:
     """The cores rank `rank` of `size` runs its threads on: its share of this process's."""
     cores = sorted(os.sched_getaffinity(0))
@@ -171,7 +198,9 @@ class MultiprocExecutor:
     """Ranks 1..size-1 of a model whose rank 0 is this process."""
 
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size
+        self.tp_size = config.tensor_parallel_size
+        self.pp_size = config.pipeline_parallel_size
         self.expert_parallel = config.expert_parallel
         self._dir = tempfile.mkdtemp(prefix="ember-ranks-")
         self._context = zmq.Context()
@@ -203,19 +232,16 @@ class MultiprocExecutor:
 
     # -- start-up ----------------------------------------------------------------------
 
-    def join(self) -> TPGroup:
+    def join(self) -> tuple[TPGroup, PipelineStage]:
         """Rank 0 joins the process group once every rank has imported torch; returns
-        the group the model is built for."""
+        the tensor-parallel group and pipeline stage the model is built for."""
         for rank in range(1, self.size):
             self._expect(rank, Hello)
         torch.set_num_threads(len(rank_cores(self.size, 0)))
-        dist.init_process_group(
-            "gloo", init_method=f"file://{self._store}", rank=0, world_size=self.size,
-            timeout=JOIN_TIMEOUT,
-        )  # fmt: skip
-        comm = ShmCommunicator()
-        comm.check = self.check
-        return TPGroup(0, self.size, comm, self.expert_parallel)
+        group, stage = join_group(0, self.size, self.tp_size, self._store, self.expert_parallel)
+        if group.comm is not None:
+            group.comm.check = self.check
+        return group, stage
 
     def wait_ready(self) -> None:
         """Waits until every rank has loaded its shard (RankFailedError if one failed)."""
@@ -310,18 +336,46 @@ class MultiprocExecutor:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class PendingHidden:
+    """The last pipeline stage's hidden states of a step, on their way to rank 0."""
+
+    def __init__(self, sent, out: torch.Tensor, received, executor: MultiprocExecutor) -> None:
+        self.sent, self.out, self.received = sent, out, received
+        self.executor = executor
+
+    def result(self) -> torch.Tensor:
+        try:
+            wait(self.received, self.executor.check)
+            wait(self.sent, self.executor.check)
+        except RankFailedError:
+            raise
+        except Exception as exc:  # Gloo's error for a peer that is gone
+            self.executor.check()
+            self.executor.fail(f"pipeline transfer failed: {type(exc).__name__}: {exc}")
+            raise RankFailedError(self.executor.failure) from exc
+        return self.out
+
+
 class LeaderModel:
     """Rank 0's model: every forward and logits call goes to the other ranks first, then
     runs here (the collectives inside pair them up). Other attributes are the model's
-    (`inner`)."""
+    (`inner`). With pipeline stages a forward returns a PendingHidden."""
 
-    def __init__(self, inner: torch.nn.Module, executor: MultiprocExecutor) -> None:
+    def __init__(
+        self, inner: torch.nn.Module, executor: MultiprocExecutor, stage: PipelineStage
+    ) -> None:
         self.inner = inner
         self.executor = executor
+        self.stage = stage
 
     def __call__(self, input_ids, positions, kv_caches, meta):
-        return self._run(encode_forward(input_ids, positions, meta), self.inner, input_ids,
-                         positions, kv_caches, meta)  # fmt: skip
+        hidden = self._run(encode_forward(input_ids, positions, meta), self.inner, input_ids,
+                           positions, kv_caches, meta)  # fmt: skip
+        if self.stage.size == 1:
+            return hidden
+        sent = self.stage.send(hidden, 1)
+        out = torch.empty_like(hidden)
+        return PendingHidden(sent, out, self.stage.irecv(out, self.stage.size - 1), self.executor)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._run(Logits(Tensor.of(hidden)), self.inner.compute_logits, hidden)

@@ -1,7 +1,9 @@
-"""The tensor-parallel group a model is built for, and how its tensors split over ranks.
+"""The tensor-parallel group and pipeline stage a model is built for, and how its tensors
+split over ranks.
 
-A model built inside `building(group)` takes its rank's share of every split tensor (see
-ember.models.parallel_layers); outside it, the group is one rank and nothing is split.
+A model built inside `building(group, stage)` takes its rank's share of every split tensor
+(see ember.models.parallel_layers) and only its stage's layers; outside it, the group is
+one rank, the stage holds every layer, and nothing is split.
 Splits are contiguous ranges, as even as they go (the first ranks take one more where
 the count does not divide): vocabularies and MLP widths of any size split over any
 number of ranks. Attention splits by KV head, each rank with the query heads that read
@@ -20,6 +22,11 @@ if TYPE_CHECKING:  # torch-free at import: the API process reads `split` (metric
     import torch
 
     from ember.distributed.shm_comm import ShmCommunicator
+
+
+# what a rank's `narrow` says of a checkpoint tensor it does not load at all (another
+# rank's expert, another pipeline stage's layer); see Checkpoint.weights
+SKIP = (0, 0, 0)
 
 
 @dataclass
@@ -52,8 +59,80 @@ class TPGroup:
         return torch.cat([parts[r, :, : widths[r]] for r in range(self.size)], dim=1)
 
 
+@dataclass
+class PipelineStage:
+    """This process's pipeline stage among `size`, and its place in that stage's
+    tensor-parallel group. Global ranks go stage by stage: stage s, tensor-parallel rank t
+    is rank s * tp_size + t. The first stage embeds the tokens and holds the final norm
+    and LM head too (so that rank 0, which samples, has them), and fewer layers for
+    it; each stage sends its
+    residual stream to the next stage's rank of the same t, and the last stage's rank 0
+    sends the final one back to rank 0."""
+
+    stage: int = 0
+    size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def layers(self, num_layers: int, head_layers: float = 0.0) -> range:
+        """The layers this stage holds: contiguous ranges, as even as they go once the
+        first stage's head counts as `head_layers` layers (its matmul, in layers' worth
+        of weights); later stages take one more where the count does not divide."""
+        if self.size == 1:
+            return range(num_layers)
+        even = (num_layers + head_layers) / self.size
+        first = min(max(1, round(even - head_layers)), num_layers - (self.size - 1))
+        if self.stage == 0:
+            return range(first)
+        rest, others = num_layers - first, self.size - 1
+        lengths = [split(rest, others, others - 1 - s)[1] for s in range(others)]
+        start = first + sum(lengths[: self.stage - 1])
+        return range(start, start + lengths[self.stage - 1])
+
+    def rank_of(self, stage: int) -> int:
+        """The global rank of `stage`'s tensor-parallel rank alike to this one."""
+        return stage * self.tp_size + self.tp_rank
+
+    def send(self, tensor: torch.Tensor, stage: int):
+        """Starts sending `tensor` to `stage` (its rank alike to this one); the Work."""
+        import torch.distributed as dist
+
+        return dist.isend(tensor.contiguous(), self.rank_of(stage))
+
+    def recv(self, out: torch.Tensor, stage: int, check=None) -> torch.Tensor:
+        """Receives into `out` from `stage`, calling `check` every few ms while waiting
+        (it raises if a peer is gone)."""
+        wait(self.irecv(out, stage), check)
+        return out
+
+    def irecv(self, out: torch.Tensor, stage: int):
+        import torch.distributed as dist
+
+        return dist.irecv(out, self.rank_of(stage))
+
+
+def wait(work, check=None) -> None:
+    """Waits for a point-to-point Work (Gloo's report completion only once waited on;
+    a peer that exits closes its sockets, and the wait raises), then `check`s the peers."""
+    try:
+        work.wait()
+    finally:
+        if check is not None:
+            check()
+
+
 _SINGLE = TPGroup()
+_ONE_STAGE = PipelineStage()
 _current = _SINGLE
+_stage = _ONE_STAGE
 
 
 def tp_group() -> TPGroup:
@@ -61,15 +140,22 @@ def tp_group() -> TPGroup:
     return _current
 
 
+def pp_stage() -> PipelineStage:
+    """The pipeline stage the model being built is (the only one outside `building`)."""
+    return _stage
+
+
 @contextlib.contextmanager
-def building(group: TPGroup):
-    """Models built inside take `group`'s rank's share of every split tensor."""
-    global _current
-    previous, _current = _current, group
+def building(group: TPGroup, stage: PipelineStage | None = None):
+    """Models built inside take `group`'s rank's share of every split tensor, and only
+    `stage`'s layers."""
+    global _current, _stage
+    previous = _current, _stage
+    _current, _stage = group, stage or _ONE_STAGE
     try:
         yield group
     finally:
-        _current = previous
+        _current, _stage = previous
 
 
 def split(total: int, size: int, rank: int) -> tuple[int, int]:

@@ -2,7 +2,9 @@
 
 Started by rank 0's MultiprocExecutor (see there for the protocol). Builds and loads its
 shard of the model as rank 0 does (ModelRunner, in `building(group)`), then makes every
-model call rank 0 sends, on its shard, until `Stop`. Dies with its parent (SIGKILL), and
+model call rank 0 sends, on its shard, until `Stop`: a later pipeline stage receives the
+previous stage's residual stream first, and every stage but the last sends its own on
+(the last stage's rank 0 sends it back to rank 0). Dies with its parent (SIGKILL), and
 tells rank 0 why before it exits on an error.
 """
 
@@ -31,11 +33,9 @@ def _die_with_parent() -> None:
 
 def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
     import torch
-    import torch.distributed as dist
 
     from ember.config import EngineConfig, ModelConfig
-    from ember.distributed.parallel import TPGroup
-    from ember.distributed.shm_comm import ShmCommunicator
+    from ember.distributed.parallel import wait
     from ember.engine.model_runner import ModelRunner
     from ember.loader.checkpoint import open_checkpoint
     from ember.loader.default_models import resolve_model
@@ -45,26 +45,39 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
     os.sched_setaffinity(0, ex.rank_cores(args.size, rank))
     torch.set_num_threads(args.threads)
     socket.send(encoder.encode(ex.Hello(rank)))
-    dist.init_process_group(
-        "gloo", init_method=f"file://{args.store}", rank=rank, world_size=args.size,
-        timeout=ex.JOIN_TIMEOUT,
-    )  # fmt: skip
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
-    group = TPGroup(rank, args.size, ShmCommunicator(), config.expert_parallel)
+    group, stage = ex.join_group(
+        rank, args.size, config.tensor_parallel_size, args.store, config.expert_parallel
+    )
     torch.manual_seed(config.seed)
     checkpoint = open_checkpoint(resolve_model(config.model))
     model_config = ModelConfig.from_hf(checkpoint.hf_config)
-    runner = ModelRunner(config, model_config, checkpoint, args.max_model_len, group=group)
+    runner = ModelRunner(
+        config, model_config, checkpoint, args.max_model_len, group=group, stage=stage
+    )
     socket.send(encoder.encode(ex.Ready(rank, runner.kv_block_bytes, runner.weight_bytes())))
     model = runner.model
+    sends: list = []  # the residual stream on its way to the next stage
     with torch.inference_mode():
         while True:
             message = decoder.decode(socket.recv())
             if isinstance(message, ex.Forward):
                 ids, positions, meta = ex.decode_forward(message, runner.device, runner.block_size)
-                model(ids, positions, runner.kv_caches, meta)  # its part of the collectives
+                hidden = None
+                if not stage.first:
+                    hidden = torch.empty(len(ids), model_config.hidden_size, dtype=runner.dtype)
+                    stage.recv(hidden, stage.stage - 1)
+                # (its part of the collectives)
+                hidden = model(ids, positions, runner.kv_caches, meta, hidden)
+                if sends:  # the step before's (Gloo's sends are complete once waited on)
+                    wait(sends.pop())
+                if not stage.last:
+                    sends.append(stage.send(hidden, stage.stage + 1))
+                elif stage.size > 1 and stage.tp_rank == 0:
+                    sends.append(stage.send(hidden, 0))  # to rank 0, which samples
             elif isinstance(message, ex.Logits):
-                model.compute_logits(message.hidden.value().to(runner.device))
+                if stage.first:  # the head's stage
+                    model.compute_logits(message.hidden.value().to(runner.device))
             elif isinstance(message, ex.AllocateKV):
                 runner.allocate_kv_cache(message.num_blocks)
             elif isinstance(message, ex.Stop):

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
-from ember import startup
+from ember import envs, startup
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
-from ember.engine.model_runner import ModelRunner
+from ember.engine.model_runner import ModelRunner, PendingStep
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.speculative import make_speculator
@@ -54,6 +56,10 @@ class EngineCore:
             raise
         self.prefaulter = Prefaulter(self.runner.kv_caches)  # pages ahead of use, when idle
         self.step_cost = StepCostModel()
+        # pipeline parallel: one step in flight per stage (see _pipelined_step)
+        self.steps_in_flight = envs.pipeline_steps_in_flight(config.pipeline_parallel_size)
+        self._in_flight: deque[InFlight] = deque()
+        self._aborts_due: set[str] = set()
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,
@@ -61,7 +67,8 @@ class EngineCore:
             self.max_model_len,
             self.connector,
             cost_model=self.step_cost,
-            max_step_ms=config.max_step_ms,
+            # a pipelined step's time is not its own: no step budget
+            max_step_ms=config.max_step_ms if self.steps_in_flight == 1 else 0.0,
             min_prefill_tokens=config.min_prefill_tokens,
         )
         self.step_stats = StepStats()
@@ -113,6 +120,10 @@ class EngineCore:
     def close(self) -> None:
         """Stops the KV connectors (endpoint, threads) and removes the shared-memory KV
         file, if any."""
+        try:
+            self.drain()
+        except Exception:  # a failed rank: nothing left to finish
+            logger.debug("steps in flight dropped at close", exc_info=True)
         self.connector.close()
         self.runner.close()
         if self.speculator is not None:
@@ -139,9 +150,15 @@ class EngineCore:
             self.scheduler.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Ends user requests (all their sequences) or single sequences, at any moment."""
+        """Ends user requests (all their sequences) or single sequences, at any moment
+        (one in a step in flight, once that step is finished)."""
+        busy = self._busy()
         for request_id in request_ids:
-            for sequence_id in self._sequence_ids.get(request_id, [request_id]):
+            sequences = self._sequence_ids.get(request_id, [request_id])
+            if busy.intersection(sequences):
+                self._aborts_due.add(request_id)
+                continue
+            for sequence_id in sequences:
                 aborted = self.scheduler.abort(sequence_id)
                 if aborted is not None and self.speculator is not None:
                     self.speculator.forget(aborted, finished=False)
@@ -223,7 +240,11 @@ class EngineCore:
             self._sequence_ids.pop(user_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self.connector.num_loading > 0
+        return (
+            self.scheduler.num_unfinished > 0
+            or self.connector.num_loading > 0
+            or bool(self._in_flight)
+        )
 
     def has_idle_work(self) -> bool:
         """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter)."""
@@ -237,7 +258,7 @@ class EngineCore:
         """Work a step can do now (not only waiting for KV to arrive, or for the cluster
         store to say what it holds)."""
         waiting = len(self.scheduler.waiting) - self.connector.num_looking_up
-        return bool(self.scheduler.running) or waiting > 0
+        return bool(self.scheduler.running) or waiting > 0 or bool(self._in_flight)
 
     def tier_writes(self) -> int:
         """Blocks written to the tiers below the pool so far (they go on after a step)."""
@@ -251,6 +272,8 @@ class EngineCore:
         return self.connector.num_held > 0
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.steps_in_flight > 1:
+            return self._pipelined_step()
         drafts = self._drafts()  # timed on their own (the proposer's cost)
         start = time.perf_counter()
         sched_out = self.scheduler.schedule(drafts)
@@ -259,10 +282,59 @@ class EngineCore:
         shape = sched_out.shape()
         predicted_ms = self.step_cost.predict_ms(shape)
         step = self.runner.execute(sched_out)
+        return self._update(InFlight(sched_out, None, shape, predicted_ms, start), step)
+
+    def _pipelined_step(self) -> list[EngineCoreOutput]:
+        """Pipeline parallel: steps are submitted until `steps_in_flight` are, each of the
+        requests no other step in flight holds (and a share of them, so that the running
+        requests spread over the steps); then the oldest is finished and its tokens
+        returned. While the later stages run one step, the first stage runs the next."""
+        scheduler = self.scheduler
+        while len(self._in_flight) < self.steps_in_flight:
+            busy = self._busy()
+            share = -(-(len(scheduler.running) + len(scheduler.waiting)) // self.steps_in_flight)
+            start = time.perf_counter()
+            sched_out = scheduler.schedule(busy=busy, max_scheduled=max(share, 1))
+            if sched_out.empty:
+                break
+            shape = sched_out.shape()
+            self.step_stats.num_overlapped += bool(self._in_flight)
+            pending = self.runner.submit(sched_out)
+            self._in_flight.append(
+                InFlight(sched_out, pending, shape, self.step_cost.predict_ms(shape), start)
+            )
+        if not self._in_flight:
+            return []
+        oldest = self._in_flight.popleft()
+        waiting = {i: self._sequence_ids.get(i, [i]) for i in self._aborts_due}
+        outputs = self._update(oldest, self.runner.finish(oldest.pending))
+        # aborts that waited for this step (their sequences were in flight)
+        busy = self._busy()
+        due = [i for i, sequences in waiting.items() if busy.isdisjoint(sequences)]
+        if due:
+            self._aborts_due.difference_update(due)
+            self.abort_requests(due)
+            dropped = {s for i in due for s in waiting[i]}
+            outputs = [o for o in outputs if o.request_id not in dropped]
+        return outputs
+
+    def _busy(self) -> set[str]:
+        """The sequences in steps not yet finished (pipeline parallel)."""
+        return {s.request.request_id for step in self._in_flight for s in step.out.scheduled}
+
+    def drain(self) -> None:
+        """Finishes the steps in flight, dropping their tokens (before close)."""
+        while self._in_flight:
+            oldest = self._in_flight.popleft()
+            self.scheduler.update(oldest.out, self.runner.finish(oldest.pending).sampled())
+
+    def _update(self, done: InFlight, step) -> list[EngineCoreOutput]:
+        """Applies a finished step: its tokens to the requests, its time to the stats."""
+        sched_out, shape = done.out, done.shape
         for sched in sched_out.scheduled:
             if (more := step.prompt_logprobs.get(sched.request.request_id)) is not None:
                 sched.request.prompt_logprobs.extend(more)
-        sampled = dict(zip(step.request_ids, step.token_ids, strict=True))
+        sampled = step.sampled()
         logprobs = dict(zip(step.request_ids, step.logprobs, strict=True))
         self._observe_drafts(sched_out, sampled)
         updated, finished = self.scheduler.update(sched_out, sampled)
@@ -272,11 +344,12 @@ class EngineCore:
                     self.speculator.proposer.take_features(sched.request, *features)
             for request in finished:
                 self.speculator.forget(request)
-        measured_ms = (time.perf_counter() - start) * 1e3
-        self.step_cost.observe(shape, measured_ms)
+        measured_ms = (time.perf_counter() - done.start) * 1e3
+        if done.pending is None:  # (a pipelined step's time includes the others')
+            self.step_cost.observe(shape, measured_ms)
         if self.speculator is not None:
             self.speculator.observe_step(shape, len(sched_out.scheduled), measured_ms)
-        self.step_stats.record(sched_out.prefill_cap, shape, predicted_ms, measured_ms)
+        self.step_stats.record(sched_out.prefill_cap, shape, done.predicted_ms, measured_ms)
         outputs = []
         for update in updated:
             request = update.request
@@ -358,6 +431,18 @@ class EngineCore:
         return self.runner.expert_tokens()
 
 
+@dataclass
+class InFlight:
+    """A scheduled step and what the runner gave for it (`pending`: submitted, not yet
+    finished, under pipeline parallelism; None: run through already)."""
+
+    out: SchedulerOutput
+    pending: PendingStep | None
+    shape: StepShape
+    predicted_ms: float
+    start: float
+
+
 class StepStats:
     """Step times since start (predicted, measured) and the step budget's chunk caps."""
 
@@ -366,6 +451,7 @@ class StepStats:
         self.measured_ms = self.predicted_ms = self.error_ms = 0.0
         self.num_capped = 0
         self.last_prefill_cap = 0  # of the last step the budget capped
+        self.num_overlapped = 0  # steps submitted while another was in flight (pipeline)
 
     def record(
         self, prefill_cap: int | None, shape: StepShape, predicted_ms: float, measured_ms: float

@@ -11,13 +11,14 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ember import startup
 from ember.config import EngineConfig, ModelConfig
 from ember.distributed.executor import AllocateKV, LeaderModel, MultiprocExecutor
-from ember.distributed.parallel import TPGroup, building
+from ember.distributed.parallel import PipelineStage, TPGroup, building
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
@@ -48,6 +49,10 @@ class StepOutput:
     # rows of it, from the first position this step computed (by request id)
     features: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
+    def sampled(self) -> dict[str, list[int]]:
+        """The tokens by request id."""
+        return dict(zip(self.request_ids, self.token_ids, strict=True))
+
 
 class ModelRunner:
     def __init__(
@@ -58,10 +63,12 @@ class ModelRunner:
         max_model_len: int,
         model_cls: type[torch.nn.Module] | None = None,
         group: TPGroup | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         """`model_cls`: the module to build (a drafter's head), else the architecture's.
-        `group`: the tensor-parallel rank this runner is (rank_worker); by default rank 0
-        of `engine_config.tensor_parallel_size` ranks, the others started here."""
+        `group`, `stage`: the tensor-parallel rank and pipeline stage this runner is
+        (rank_worker); by default rank 0 of `engine_config.world_size` ranks, the others
+        started here."""
         self.config = engine_config
         self.model_config = model_config
         self.device = engine_config.resolve_device()
@@ -75,25 +82,33 @@ class ModelRunner:
         self.max_model_len = max_model_len
         model_cls = model_cls or get_model_class(model_config.architecture)
         self.executor: MultiprocExecutor | None = None
-        if group is None and engine_config.tensor_parallel_size > 1:
-            check_tensor_parallel(engine_config, model_config, model_cls, self.device)
+        if group is None and engine_config.world_size > 1:
+            check_parallel(engine_config, model_config, model_cls, self.device)
             self.executor = MultiprocExecutor(engine_config, max_model_len)
         try:
             if self.executor is not None:
-                group = self.executor.join()
+                group, stage = self.executor.join()
             self.group = group or TPGroup()
-            with building(self.group):
+            self.stage = stage or PipelineStage()
+            with building(self.group, self.stage):
                 self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(model_config)
                 self.model = self._load_model(model_cls, checkpoint, max_model_len)
             if self.executor is not None:
                 self.executor.wait_ready()
-                self.model = LeaderModel(self.model, self.executor)
+                self.model = LeaderModel(self.model, self.executor, self.stage)
         except BaseException:
             if self.executor is not None:
                 self.executor.close()
             raise
+        # the layers whose KV this rank keeps (a pipeline stage's)
+        stage_layers = getattr(getattr(self.model, "model", None), "stage_layers", None)
+        self.num_kv_layers = len(stage_layers or range(model_config.num_hidden_layers))
         layers = getattr(getattr(self.model, "model", None), "layers", [])
-        self.moe_layers = [(i, x.mlp) for i, x in enumerate(layers) if isinstance(x.mlp, SparseMoE)]
+        self.moe_layers = [
+            (i, x.mlp)
+            for i, x in enumerate(layers)
+            if isinstance(getattr(x, "mlp", None), SparseMoE)
+        ]
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shm_path: str | None = None
@@ -196,30 +211,14 @@ class ModelRunner:
         """A KV block's bytes on this rank, or on the rank with the most (rank 0 of a
         tensor-parallel model: every rank has as many blocks)."""
         per_token = self.kv_spec.token_bytes(self.dtype)
-        own = self.model_config.num_hidden_layers * self.block_size * per_token
+        own = self.num_kv_layers * self.block_size * per_token
         ranks = self.executor.rank_block_bytes if self.executor is not None else []
         return max([own, *ranks])
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's loaded weights (each tensor once; packed copies and GGUF
-        blocks too; not tables such as rotary's cos/sin)."""
-        seen, total = set(), 0
-        tensors = list(self.model.parameters())
-        tensors += [
-            getattr(m, name)
-            for m in self.model.modules()
-            for name in ("packed", "blocks")
-            if isinstance(getattr(m, name, None), torch.Tensor)
-        ]
-        for tensor in tensors:
-            if tensor.is_mkldnn or tensor.layout != torch.strided:  # oneDNN's opaque copy
-                key, size = id(tensor), tensor.numel() * tensor.element_size()
-            else:
-                key, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
-            if key not in seen:
-                seen.add(key)
-                total += size
-        return total
+        """Bytes of this rank's loaded weights (see module_weight_bytes)."""
+        model = self.model.inner if isinstance(self.model, LeaderModel) else self.model
+        return module_weight_bytes(model)
 
     def kv_cache_budget(self) -> int:
         """Bytes for the KV cache: the user's figure, or a share of free memory."""
@@ -232,8 +231,8 @@ class ModelRunner:
             self._profile_peak_memory()
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * (fraction or 0.9))
-        # a tensor-parallel model's ranks share this host's memory: a share each
-        share = _available_host_memory() * (fraction or 0.5) / self.group.size
+        # a model's ranks share this host's memory: a share each
+        share = _available_host_memory() * (fraction or 0.5) / self.config.world_size
         return min(int(share), CPU_KV_CACHE_CAP)
 
     def allocate_kv_cache(self, num_blocks: int, shared: bool = False) -> None:
@@ -242,7 +241,7 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.send(AllocateKV(num_blocks))
         self.kv_caches, self.kv_shm_path = kv_buffers.allocate(
-            shape, self.model_config.num_hidden_layers, self.dtype, self.device, shm=shared
+            shape, self.num_kv_layers, self.dtype, self.device, shm=shared
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GB)",
@@ -276,13 +275,26 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
+        return self.finish(self.submit(out))
+
+    @torch.inference_mode()
+    def submit(self, out: SchedulerOutput) -> PendingStep:
+        """Starts a step: its forward pass, or under pipeline parallelism the first
+        stage's part of it (the other stages go on while this process starts the next)."""
         batch = [s for s in out.scheduled if s.num_new_tokens == 1]
         num_decodes = len(batch)
         batch += [s for s in out.scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta, sample_idx = self._prepare(batch, num_decodes)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return PendingStep(batch, hidden, sample_idx)
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingStep) -> StepOutput:
+        """Ends a step: waits for its hidden states (the last stage's), samples."""
+        batch, hidden, sample_idx = pending.batch, pending.hidden, pending.sample_idx
+        if not isinstance(hidden, torch.Tensor):
+            hidden = hidden.result()
         result = StepOutput([], [], [])
         if any(s.request.needs_prompt_logprobs for s in batch):
             result.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
@@ -337,6 +349,16 @@ class ModelRunner:
                 tokens = sched.request.token_ids[start : start + sched.num_new_tokens]
             rows.append(Rows(tokens, start, sched.block_ids, sched.samples))
         return batch_inputs(rows[:num_decodes], rows[num_decodes:], self.block_size, self.device)
+
+
+@dataclass
+class PendingStep:
+    """A step submitted to the model: its batch in row order, its hidden states (or what
+    will give them: the pipeline's last stage), and the rows to sample."""
+
+    batch: list[ScheduledRequest]
+    hidden: torch.Tensor | Any
+    sample_idx: torch.Tensor
 
 
 @dataclass
@@ -450,6 +472,28 @@ def _loading_threads():
         torch.set_num_threads(num_threads)
 
 
+def module_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's loaded weights (each tensor once; packed copies and GGUF
+    blocks too; not tables such as rotary's cos/sin)."""
+    seen, total = set(), 0
+    tensors = list(module.parameters())
+    tensors += [
+        getattr(m, name)
+        for m in module.modules()
+        for name in ("packed", "blocks")
+        if isinstance(getattr(m, name, None), torch.Tensor)
+    ]
+    for tensor in tensors:
+        if tensor.is_mkldnn or tensor.layout != torch.strided:  # oneDNN's opaque copy
+            key, size = id(tensor), tensor.numel() * tensor.element_size()
+        else:
+            key, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        if key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
 def _log_block_decode(model: torch.nn.Module) -> None:
     blocks = [
         m.blocks for m in model.modules() if isinstance(m, Linear) and m.block_gemm is not None
@@ -470,25 +514,31 @@ def _available_host_memory() -> int:
     return 8 << 30
 
 
-def check_tensor_parallel(
+def check_parallel(
     config: EngineConfig, model_config: ModelConfig, model_cls: type, device: torch.device
 ) -> None:
-    """What a tensor-parallel engine cannot do (yet), refused before any rank starts."""
-    size = config.tensor_parallel_size
+    """What a model over several ranks cannot do (yet), refused before any rank starts."""
+    size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+    name = f"tensor_parallel_size={size}" if stages == 1 else f"pipeline_parallel_size={stages}"
     if device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size={size}: only CPU ranks (Gloo) are supported yet")
+        raise ValueError(f"{name}: only CPU ranks (Gloo) are supported yet")
     if not hasattr(model_cls, "shard_of") or model_config.mla is not None:
         raise ValueError(
-            f"tensor_parallel_size={size}: {model_cls.__name__} cannot be split over ranks "
-            "yet (latent-attention models run on one rank)"
+            f"{name}: {model_cls.__name__} cannot be split over ranks yet (latent-attention "
+            "models run on one rank)"
         )
-    if model_config.moe is not None and not config.expert_parallel:
+    if model_config.moe is not None and size > 1 and not config.expert_parallel:
         raise ValueError(
             f"tensor_parallel_size={size}: a mixture-of-experts model splits by expert "
             "only: add expert_parallel (--expert-parallel)"
         )
+    if stages > model_config.num_hidden_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={stages}: the model has only "
+            f"{model_config.num_hidden_layers} layers"
+        )
     for rank in range(size):  # every rank's heads split as the model needs
         with building(TPGroup(rank, size)):
             model_cls.kv_cache_spec(model_config)
-    if size > len(os.sched_getaffinity(0)):
-        logger.warning("tensor_parallel_size=%d: more ranks than cores", size)
+    if config.world_size > len(os.sched_getaffinity(0)):
+        logger.warning("%d ranks: more ranks than cores", config.world_size)

@@ -54,6 +54,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     prefill_cap: int | None = None  # the step budget's cap on prefill tokens, if it set one
+    # a running request found no free block while other steps were in flight (pipeline)
+    blocked: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -163,18 +165,30 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+    def schedule(
+        self,
+        drafts: dict[str, list[int]] | None = None,
+        busy: frozenset[str] | set[str] = frozenset(),
+        max_scheduled: int | None = None,
+    ) -> SchedulerOutput:
         """This step's work; `drafts`: draft tokens (by request id) for running requests
-        that decode, each computed after the request's known token if the step has room."""
+        that decode, each computed after the request's known token if the step has room.
+
+        Pipeline parallel (several steps in flight): `busy` are the ids of running
+        requests in a step not yet updated, which this one leaves out (and never
+        preempts: a request that needs blocks then waits for those steps instead);
+        `max_scheduled`: the most requests this step takes, so that the running ones
+        spread over the steps in flight."""
         if self.connector is not None:
             self._end_loads()
             for key in self.connector.collect():
                 self.kv_cache.release_held(key)
         out = SchedulerOutput()
         budget = self._budget(out)
-        self._schedule_running(out, budget, drafts or {})
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        limit = max_scheduled if max_scheduled is not None else len(self.requests) + 1
+        self._schedule_running(out, budget, drafts or {}, busy, limit)
+        if not out.preempted and not (busy and out.blocked):
+            self._schedule_waiting(out, budget, limit)
         return out
 
     def _budget(self, out: SchedulerOutput) -> _Budget:
@@ -194,11 +208,19 @@ class Scheduler:
         return _Budget(self.max_num_batched_tokens, num_prefill)
 
     def _schedule_running(
-        self, out: SchedulerOutput, budget: _Budget, drafts: dict[str, list[int]]
+        self,
+        out: SchedulerOutput,
+        budget: _Budget,
+        drafts: dict[str, list[int]],
+        busy: frozenset[str] | set[str],
+        limit: int,
     ) -> None:
         i = 0
-        while i < len(self.running) and budget.num_tokens > 0:
+        while i < len(self.running) and budget.num_tokens > 0 and len(out.scheduled) < limit:
             request = self.running[i]
+            if request.request_id in busy:
+                i += 1
+                continue
             num_new = budget.take(request.num_tokens - request.num_computed_tokens)
             if num_new == 0:  # a prefill chunk, when the step has no room for more
                 i += 1
@@ -210,6 +232,9 @@ class Scheduler:
                 spec = []
             if not spec:
                 while self.kv_cache.allocate_slots(request, num_new) is None:
+                    if busy:  # the steps in flight may free blocks: wait, preempt nothing
+                        out.blocked = True
+                        return
                     victim = self.running.pop()
                     self._preempt(victim)
                     out.preempted.append(victim)
@@ -220,9 +245,14 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, block_ids, list(spec)))
             i += 1
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget, limit: int) -> None:
         deferred: list[Request] = []
-        while self.waiting and budget.num_tokens > 0 and self._num_admitted < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget.num_tokens > 0
+            and self._num_admitted < self.max_num_seqs
+            and len(out.scheduled) < limit
+        ):
             request = self.waiting.popleft()
             if request.wait_for is not None and not request.wait_for.prefill_done:
                 deferred.append(request)  # n > 1: share the sibling's prompt blocks

@@ -41,6 +41,7 @@ import gguf
 import numpy as np
 import torch
 
+from ember.distributed.parallel import SKIP
 from ember.loader.dequant import dequantize
 from ember.loader.gguf_index import GGUFIndex
 from ember.loader.gguf_index import tensors as indexed_tensors
@@ -109,7 +110,6 @@ _KV_B_PART = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _SKIPPED = frozenset({"rope_freqs.weight"})
 # the part (dim, start, length) of a tensor (by Hugging Face name) that is wanted; None: all
 Narrow = Callable[[str], "tuple[int, int, int] | None"]
-SKIP = (0, 0, 0)  # what `narrow` says of a tensor this rank does not load (another's expert)
 
 
 def read_gguf(path: str | Path) -> gguf.GGUFReader:

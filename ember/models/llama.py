@@ -10,6 +10,7 @@ experts are stacked (ember.models.moe) and Mixtral's `block_sparse_moe` is read 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.distributed.parallel import head_split, tp_group
+from ember.distributed.parallel import SKIP, head_split, pp_stage, tp_group
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.engine.kv_spec import KVCacheSpec
 from ember.models.layers import (
@@ -138,18 +139,56 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+# a layer's time is more than its matmuls' (attention, norms, rotary, a dozen small ops):
+# the head counts for half its weights (SmolLM2 over 2 stages, batch 4 and 8 decode, head
+# counted whole / half / not at all: 11 / 13 / 15 layers on the first stage, output
+# 214-305 / 262-358 / 233-324 tok/s; docs/benchmarks.md)
+HEAD_SHARE = 0.5
+
+
+def head_layers(config: ModelConfig) -> float:
+    """The LM head in layers' worth of time (the first pipeline stage holds it): its
+    weights against a layer's (those a token reads), times HEAD_SHARE."""
+    q, kv = (
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
+    hidden = config.hidden_size
+    attention = hidden * (2 * q + 2 * kv)
+    moe = config.moe
+    if moe is None:
+        mlp = 3 * hidden * config.intermediate_size
+    else:  # the experts a token reads, and the shared expert
+        mlp = 3 * hidden * (moe.top_k * moe.intermediate_size + moe.shared_intermediate_size)
+    return HEAD_SHARE * config.vocab_size * hidden / (attention + mlp)
+
+
+class OtherStage(nn.Module):
+    """A layer (or the embedding, the norm) another pipeline stage holds: no weights."""
+
+
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
 class LlamaModel(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, backend, max_positions: int):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_group()
+        stage = pp_stage()  # this stage's layers (all of them without pipeline stages)
+        self.stage_layers = stage.layers(config.num_hidden_layers, head_layers(config))
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group())
+            if stage.first
+            else OtherStage()
         )
         self.layers = nn.ModuleList(
-            self.layer_cls(config, backend, i) for i in range(config.num_hidden_layers)
+            self.layer_cls(config, backend, i) if i in self.stage_layers else OtherStage()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the final norm where the head is (the first stage, which samples)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.first else None
+        self.dtype = torch.get_default_dtype()
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
         self.fused_decode: FusedDecode | None = None  # set up by pack_for_cpu
         self.fused_decode_max_rows = 1 << 30  # BF16_MIN_ROWS - 1 under bf16_prefill
@@ -157,8 +196,23 @@ class LlamaModel(nn.Module):
         self.capture_layers: frozenset[int] = frozenset()
         self.captured: list[torch.Tensor] = []  # of the last forward, in layer order
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+    @property
+    def local_layers(self) -> list[nn.Module]:
+        """This stage's layers, in order (their KV caches are the ones passed in)."""
+        return [self.layers[i] for i in self.stage_layers]
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is one of this stage's."""
+        match = LAYER_NAME.match(name)
+        if match is not None:
+            return int(match.group(1)) in self.stage_layers
+        return not isinstance(self.embed_tokens, OtherStage)  # embedding, norm, head
+
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
+        """The residual stream after this stage's layers (before the final norm);
+        `hidden`: the previous stage's, which a later stage starts from."""
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids).to(self.dtype)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         self.captured = []
         # else bf16, in the layers below; drafts' rows run as their sequence's decode would
@@ -167,10 +221,11 @@ class LlamaModel(nn.Module):
         if self.fused_decode is not None and not meta.prefills and fused:
             return self.fused_decode(hidden, cos_sin, kv_caches, meta, self._capture)
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = zip(self.stage_layers, self.local_layers, kv_caches, strict=True)
+        for i, layer, kv_cache in layers:
             self._capture(i, hidden, residual)
             hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
-        self._capture(len(self.layers), hidden, residual)
+        self._capture(self.stage_layers.stop, hidden, residual)
         return hidden + residual
 
     def _capture(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -196,11 +251,12 @@ class FusedDecode:
 
     def __init__(self, model: LlamaModel, kernels) -> None:
         self.kernels = kernels
-        attn = model.layers[0].self_attn
-        self.eps = model.layers[0].input_layernorm.eps
+        layers = model.local_layers
+        attn = layers[0].self_attn
+        self.eps = layers[0].input_layernorm.eps
         self.shape = (attn.num_heads, attn.num_kv_heads)
         self.scale = attn.scale
-        self.layers = [self._layer_args(layer) for layer in model.layers]
+        self.layers = [self._layer_args(layer) for layer in layers]
         # tensor parallel: the kernel sums the o and down projections over the ranks
         group = attn.o_proj.group
         self.reduce = group.all_reduce if group.size > 1 else None
@@ -221,6 +277,7 @@ class FusedDecode:
         return FusedLayer(weights, packed, blocks, attn.qkv_proj.bias, block_max_rows)
 
     def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata, capture):
+        """(A pipeline stage's layers capture nothing: EAGLE-3 runs on one stage.)"""
         residual = hidden
         cos, sin = cos_sin
         for i, layer in enumerate(self.layers):
@@ -272,15 +329,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config, backend, max_positions)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp_group())
-        if config.tie_word_embeddings:
+        first_stage = pp_stage().first  # the head is where the sampling is
+        self.lm_head = (
+            ParallelLMHead(config.hidden_size, config.vocab_size, tp_group())
+            if first_stage
+            else OtherStage()
+        )
+        if config.tie_word_embeddings and first_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._params: dict[str, nn.Parameter] | None = None  # by name, for shard_of
         self._experts: ExpertTensors | None = None  # (also for shard_of)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        """Hidden states [T, hidden] of this step's tokens (before the final norm)."""
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, hidden=None):
+        """Hidden states [T, hidden] of this step's tokens (before the final norm); of a
+        pipeline stage, after its layers, from the previous stage's (`hidden`)."""
+        return self.model(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the residual stream's dtype (16+ rows under bf16_prefill multiply in bf16)."""
@@ -297,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu(bf16_prefill, weight_dtype)
             elif isinstance(module, Experts):
                 module.pack_for_cpu(weight_dtype)
-        backend = self.model.layers[0].self_attn.backend
+        backend = self.model.local_layers[0].self_attn.backend
         fusable = not self.config.qk_norm and self.config.moe is None
         if isinstance(backend, CPUPagedBackend) and fusable:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)
@@ -326,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = self._checkpoint_name(name)
-            if name is None or experts.load(name, tensor):
+            if name is None or not self.model.holds(name) or experts.load(name, tensor):
                 continue
             load_into(params, *self._param_name(name), tensor, name)
             loaded.add(name)
@@ -338,6 +401,8 @@ class LlamaForCausalLM(nn.Module):
         name = self._checkpoint_name(name)
         if name is None:
             return None
+        if not self.model.holds(name):  # another pipeline stage's
+            return SKIP
         if self._params is None:
             self._params = dict(self.named_parameters())
         if self._experts is None:
@@ -345,7 +410,7 @@ class LlamaForCausalLM(nn.Module):
         expert = self._experts.expert_of(name)
         if expert is not None:  # nothing of an expert another rank holds (expert parallel)
             layer, index = expert
-            return None if layer.holds(index) else (0, 0, 0)
+            return None if layer.holds(index) else SKIP
         return shard_of(self._params, *self._param_name(name))
 
     def _checkpoint_name(self, name: str) -> str | None:

@@ -1,0 +1,211 @@
+"""Pipeline parallelism (ember.distributed): a model's layers over 2 stages, alone and with
+2 tensor-parallel ranks per stage, give the single-process result (logprobs within 1e-4,
+the same greedy tokens) with chunked prefill, prefix-cache hits and preemption, while
+two steps are in flight; each stage holds its layers' weights and KV only; an abort
+waits for its step; a dead stage ends the engine with a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from test_tensor_parallel import PROMPTS, _assert_same, _rank_processes, _run
+
+from ember import LLM, SamplingParams
+from ember.config import EngineConfig
+from ember.distributed import shm_comm
+from ember.distributed.executor import RankFailedError
+from ember.distributed.parallel import PipelineStage
+from ember.engine.core import EngineCore
+from ember.engine.messages import EngineCoreRequest
+from ember.engine.model_runner import module_weight_bytes
+
+pytestmark = pytest.mark.skipif(not shm_comm.ORDERED_STORES, reason="x86-64 ranks")
+
+
+def _overlapped(llm: LLM) -> int:
+    return llm.engine.core.step_stats.num_overlapped
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_two_stages_give_the_single_process_result(tiny_checkpoint, arch: str) -> None:
+    """Two stages of Llama (tied head on the first stage), Qwen3 (q/k norm) and Qwen3-MoE
+    (each stage its layers' experts whole), prompts in chunks of 16, a prompt again from
+    the prefix cache; the stages ran two steps at once."""
+    path = tiny_checkpoint(arch)
+    single, (_, cached) = _run(path, max_num_batched_tokens=16)
+    parallel, (_, cached_pp) = _run(path, max_num_batched_tokens=16, pipeline_parallel_size=2)
+    _assert_same(single, parallel)
+    assert cached == cached_pp == 48  # 3 of the 61-token prompt's blocks
+
+
+def test_steps_overlap_and_stages_hold_their_layers(tiny_checkpoint) -> None:
+    """With three requests running, a second step goes in while the first is in the
+    second stage; each stage holds its layer's weights (the first also the embedding
+    and head) and KV, and reads nothing of the other's."""
+    path = tiny_checkpoint("mistral")
+    with LLM(str(path), kv_cache_memory=8 << 20) as llm:
+        runner = llm.engine.core.runner
+        whole, block_bytes = runner.weight_bytes(), runner.kv_block_bytes
+        layer = module_weight_bytes(runner.model.model.layers[1])
+    with LLM(str(path), kv_cache_memory=8 << 20, pipeline_parallel_size=2) as llm:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
+        assert _overlapped(llm) > 0
+        runner = llm.engine.core.runner
+        first, (second,) = runner.weight_bytes(), runner.executor.rank_weight_bytes
+        names = {n for n, _ in runner.model.named_parameters()}
+        assert runner.num_kv_layers == 1 and len(runner.kv_caches) == 1
+        assert runner.kv_block_bytes == block_bytes // 2
+    assert first + second == whole  # nothing held twice
+    assert second == layer
+    assert "model.layers.0.mlp.down_proj.weight" in names
+    assert not any(n.startswith("model.layers.1.") for n in names)
+
+
+def test_stage_layer_ranges() -> None:
+    """Contiguous ranges, the first stage's shorter by its head (SmolLM2's weighs as much
+    as 8 of its layers, and counts for 4), later stages taking the extra layer."""
+    from ember.config import ModelConfig
+    from ember.models.llama import head_layers
+
+    assert [PipelineStage(s, 2).layers(30) for s in range(2)] == [range(0, 15), range(15, 30)]
+    assert [PipelineStage(s, 3).layers(6, 1.0) for s in range(3)] == [
+        range(0, 1), range(1, 3), range(3, 6),
+    ]  # fmt: skip
+    assert [PipelineStage(s, 2).layers(2, 100.0) for s in range(2)] == [range(1), range(1, 2)]
+    smollm2 = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "tie_word_embeddings": True,
+    })  # fmt: skip
+    assert 3.8 < head_layers(smollm2) < 4.2
+    assert PipelineStage(0, 2).layers(30, head_layers(smollm2)) == range(13)
+    assert PipelineStage(1, 2, tp_rank=1, tp_size=2).rank_of(0) == 1
+    assert PipelineStage(0, 2, tp_rank=1, tp_size=2).rank_of(1) == 3
+
+
+def test_tensor_and_pipeline_parallel_with_preemption(tiny_checkpoint) -> None:
+    """2 stages of 2 tensor-parallel ranks (4 processes), a KV pool too small for the
+    batch: sequences are preempted (only while no other step is in flight) and
+    recomputed, and the result is the single process's."""
+    path = tiny_checkpoint("llama")
+    block_bytes = 2 * 16 * 2 * 2 * 16 * 4  # layers x tokens x (k, v) x KV heads x dim x fp32
+    blocks = 7  # of the 12 the three sequences need at once
+    options = dict(max_tokens=24, max_model_len=96, max_step_ms=0)
+    single, (preempted, _) = _run(path, kv_cache_memory=blocks * block_bytes, **options)
+    # per rank: one layer of two, one KV head of two
+    parallel, (preempted_pp, _) = _run(
+        path,
+        kv_cache_memory=blocks * block_bytes // 4,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        **options,
+    )
+    assert preempted > 0 and preempted_pp > 0
+    _assert_same(single, parallel)
+
+
+def test_an_abort_in_flight_waits_for_its_step(tiny_checkpoint) -> None:
+    """A request aborted while its step is in the second stage: it gets no token after
+    the abort, the others finish, and every block is back in the pool."""
+    config = EngineConfig(
+        model=str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20, pipeline_parallel_size=2
+    )
+    core = EngineCore.from_config(config)
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0)
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params, 10, [1]))
+        outputs = core.step()  # steps in flight: two, with the first finished
+        assert len(core._in_flight) == 1
+        (victim,) = [s.request.request_id for s in core._in_flight[0].out.scheduled][:1]
+        core.abort_requests([victim])
+        assert victim in core.scheduler.requests  # its step has not come back yet
+        finished = set()
+        while core.has_unfinished():
+            outputs = core.step()
+            assert victim not in {o.request_id for o in outputs}
+            finished |= {o.request_id for o in outputs if o.finish_reason}
+        assert finished == {"r0", "r1", "r2"} - {victim}
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    finally:
+        core.close()
+    assert not _rank_processes()
+
+
+def test_a_dead_stage_fails_the_engine_cleanly(tiny_checkpoint) -> None:
+    llm = LLM(str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20, pipeline_parallel_size=2)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    assert len(llm.generate(PROMPTS[:2], params)[0].outputs[0].token_ids) == 4
+    (pid,) = _rank_processes()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RankFailedError, match=r"rank 1 of 2 exited \(code -9\)"):
+        llm.generate(PROMPTS[:2], params)
+    deadline = time.monotonic() + 10
+    while _rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _rank_processes()
+    llm.close()
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(speculative_method="ngram"), "speculative_method 'ngram'"),
+        (dict(kv_role="decode"), "kv_role 'decode'"),
+        (dict(pipeline_parallel_size=0), None),
+    ],
+)
+def test_what_a_pipeline_cannot_do_is_refused(options: dict, named: str | None) -> None:
+    options.setdefault("pipeline_parallel_size", 2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size") as error:
+        EngineConfig(**options)
+    assert named is None or named in str(error.value)
+
+
+def test_more_stages_than_layers_are_refused(tiny_checkpoint) -> None:
+    with pytest.raises(ValueError, match="only 2 layers"):
+        LLM(str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20, pipeline_parallel_size=3)
+    assert not _rank_processes()
+
+
+def test_gguf_stages(tmp_path: Path) -> None:
+    """A GGUF file over two stages: each reads and decodes from its own layers' blocks."""
+    from test_gguf_loader import BLOCK_CASES, write_tiny_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES["llama-Q4_1"])
+    prompts = [p[:20] for p in PROMPTS]
+    single, _ = _run(path, prompts, max_tokens=16)
+    parallel, _ = _run(path, prompts, max_tokens=16, pipeline_parallel_size=2)
+    _assert_same(single, parallel)
+
+
+def test_serve_with_two_stages(tiny_checkpoint) -> None:
+    """`ember serve --pipeline-parallel-size 2` answers concurrent requests as one
+    process does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from server_utils import EmberServer
+
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(str(path), kv_cache_memory=8 << 20) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    server = EmberServer(str(path), "--pipeline-parallel-size", "2", "--kv-cache-memory", "8M")
+    try:
+
+        def complete(prompt):
+            body = {"model": str(path), "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            return reply.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(complete, PROMPTS)) == expected
+    finally:
+        server.stop()
