@@ -30,11 +30,11 @@ def _overlapped(llm: LLM) -> int:
     return llm.engine.core.step_stats.num_overlapped
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_two_stages_give_the_single_process_result(tiny_checkpoint, arch: str) -> None:
-    """Two stages of Llama (tied head on the first stage), Qwen3 (q/k norm) and Qwen3-MoE
-    (each stage its layers' experts whole), prompts in chunks of 16, a prompt again from
-    the prefix cache; the stages ran two steps at once."""
+    """Two stages of Llama (tied head on the first stage), Qwen3 (q/k norm), Qwen3-MoE and
+    DeepSeek-V3 (MLA; each stage its layers' experts whole), prompts in chunks of 16, a
+    prompt again from the prefix cache."""
     path = tiny_checkpoint(arch)
     single, (_, cached) = _run(path, max_num_batched_tokens=16)
     parallel, (_, cached_pp) = _run(path, max_num_batched_tokens=16, pipeline_parallel_size=2)

@@ -382,3 +382,22 @@ def test_a_model_over_its_rank_budget_is_served_by_two(tiny_checkpoint) -> None:
         assert llm.engine.core.kv_cache.num_blocks == (limit - runner.weight_bytes()) // 4096
         out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v3_plain"])
+def test_latent_attention_over_two_ranks(tiny_checkpoint, arch: str) -> None:
+    """DeepSeek-V3's MLA (q through a LoRA or not) with its heads split over two ranks
+    and its experts too: the single-process result. Each rank caches the whole latent
+    (a block takes as many bytes as on one rank) and holds half the heads' rows."""
+    path = tiny_checkpoint(arch)
+    with LLM(str(path), kv_cache_memory=8 << 20) as llm:
+        block_bytes = llm.engine.core.runner.kv_block_bytes
+    single, _ = _run(path, max_num_batched_tokens=16)
+    options = dict(tensor_parallel_size=2, expert_parallel=True)
+    with LLM(str(path), kv_cache_memory=8 << 20, **options) as llm:
+        runner = llm.engine.core.runner
+        assert runner.kv_block_bytes == block_bytes == runner.executor.rank_block_bytes[0]
+        attn = runner.model.model.layers[0].self_attn
+        assert attn.num_heads == 2 and attn.kv_b_proj.weight.shape == (2 * (16 + 12), 16)
+    parallel, _ = _run(path, max_num_batched_tokens=16, **options)
+    _assert_same(single, parallel)

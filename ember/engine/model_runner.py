@@ -522,10 +522,12 @@ def check_parallel(
     name = f"tensor_parallel_size={size}" if stages == 1 else f"pipeline_parallel_size={stages}"
     if device.type != "cpu":
         raise ValueError(f"{name}: only CPU ranks (Gloo) are supported yet")
-    if not hasattr(model_cls, "shard_of") or model_config.mla is not None:
+    if not hasattr(model_cls, "shard_of"):
+        raise ValueError(f"{name}: {model_cls.__name__} cannot be split over ranks yet")
+    if size > model_config.num_attention_heads:
         raise ValueError(
-            f"{name}: {model_cls.__name__} cannot be split over ranks yet (latent-attention "
-            "models run on one rank)"
+            f"tensor_parallel_size={size}: the model has only "
+            f"{model_config.num_attention_heads} attention heads"
         )
     if model_config.moe is not None and size > 1 and not config.expert_parallel:
         raise ValueError(

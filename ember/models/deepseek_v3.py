@@ -20,11 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MLAConfig, ModelConfig, yarn_mscale
+from ember.distributed.parallel import split, tp_group
 from ember.engine.attention import AttentionBackend, AttentionMetadata
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.mla import MLABackend, MLAWeights
 from ember.models.layers import Linear, RMSNorm, apply_rotary
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from ember.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger("ember.models")
 
@@ -32,23 +34,49 @@ LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default,
 
 
 class MLAttention(nn.Module):
+    """Under tensor parallelism each rank holds a range of the heads (their rows of the
+    q and kv_b up-projections, their columns of o_proj, summed over the ranks) and the
+    whole latent path (q_a, kv_a and their norms): every rank computes and caches the
+    same latents, as DeepSeek-V3 deployments with attention split by head do."""
+
     def __init__(self, config: ModelConfig, backend: MLABackend) -> None:
         super().__init__()
         mla: MLAConfig = config.mla
         self.mla = mla
-        self.num_heads = heads = config.num_attention_heads
+        group = tp_group()
+        first, self.num_heads = split(config.num_attention_heads, group.size, group.rank)
+        heads = config.num_attention_heads
         qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        kv_head_dim = mla.qk_nope_head_dim + mla.v_head_dim
         hidden, bias = config.hidden_size, config.attention_bias
+
+        def rows(width: int) -> tuple[int, int]:  # this rank's heads' rows
+            return first * width, self.num_heads * width
+
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * qk_head_dim)
+            self.q_proj = ColumnParallelLinear(
+                hidden, heads * qk_head_dim, group, rows(qk_head_dim)
+            )
         else:
             self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = Linear(mla.q_lora_rank, heads * qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(
+                mla.q_lora_rank, heads * qk_head_dim, group, rows(qk_head_dim)
+            )
         self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
-        self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(
+            mla.kv_lora_rank, heads * kv_head_dim, group, rows(kv_head_dim)
+        )
+        if group.size > 1:
+            if bias:
+                raise ValueError("tensor_parallel_size > 1: MLA with attention_bias")
+            self.o_proj = RowParallelLinear(
+                heads * mla.v_head_dim, hidden, group, rows(mla.v_head_dim)
+            )
+        else:
+            self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
+        heads = self.num_heads
         self.backend = backend
         self.scale = qk_head_dim**-0.5
         rope = config.rope
@@ -162,7 +190,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def kv_cache_spec(config: ModelConfig) -> KVCacheSpec:
-        """One latent vector and one rotary key per token and layer, for all heads."""
+        """One latent vector and one rotary key per token and layer, for all heads (the
+        same on every tensor-parallel rank)."""
         return KVCacheSpec(1, 1, config.mla.kv_lora_rank + config.mla.qk_rope_head_dim)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):

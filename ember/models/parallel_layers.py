@@ -2,6 +2,7 @@
 
 - `MergedLinear` with `slices` (layers.py): column-parallel; each part of a fused
   projection (QKV, gate/up) keeps its rank's rows, no communication;
+  `ColumnParallelLinear` the same for a single projection (MLA's per-head ones);
 - `RowParallelLinear`: the input features split; each rank's partial product is summed
   over the ranks (one all-reduce after o_proj and after down_proj per layer);
 - `VocabParallelEmbedding`: each rank holds a range of the vocabulary's rows, looks up
@@ -44,6 +45,22 @@ def _shard_param(param: nn.Parameter, part: Slice, full: int) -> nn.Parameter:
     param.weight_loader = load
     param.shard_of = lambda shard_id=None: part
     return param
+
+
+class ColumnParallelLinear(Linear):
+    """y = x W_r^T, W_r this rank's rows [start, start + length) of the `out_features`
+    outputs (one projection; fused ones are MergedLinear with slices): no communication."""
+
+    def __init__(
+        self, in_features: int, out_features: int, group: TPGroup, part: tuple[int, int],
+        bias: bool = False,
+    ) -> None:  # fmt: skip
+        start, length = part
+        super().__init__(in_features, length, bias)
+        if group.size > 1:
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    _shard_param(param, (0, start, length), out_features)
 
 
 class RowParallelLinear(Linear):
