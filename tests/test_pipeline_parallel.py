@@ -1,7 +1,7 @@
-"""Pipeline parallelism (ember.distributed): a model's layers over 2 stages, alone and with
-2 tensor-parallel ranks per stage, give the single-process result (logprobs within 1e-4,
-the same greedy tokens) with chunked prefill, prefix-cache hits and preemption, while
-two steps are in flight; each stage holds its layers' weights and KV only; an abort
+"""Pipeline parallelism (ember.distributed): a model's layers over 2 stages give the
+single-process result (logprobs within 1e-4, the same greedy tokens) with chunked
+prefill and prefix-cache hits, while two steps are in flight (with 2 tensor-parallel
+ranks per stage and preemption: test_tensor_parallel.test_ranks_survive_preemption); each stage holds its layers' weights and KV only; an abort
 waits for its step; a dead stage ends the engine with a clear error."""
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import PROMPTS, _assert_same, _rank_processes, _run
+from test_tensor_parallel import (
+    PROMPTS,
+    _assert_same,
+    _rank_processes,
+    _run,
+    assert_like_one_process,
+)
 
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
@@ -35,11 +41,7 @@ def test_two_stages_give_the_single_process_result(tiny_checkpoint, arch: str) -
     """Two stages of Llama (tied head on the first stage), Qwen3 (q/k norm), Qwen3-MoE and
     DeepSeek-V3 (MLA; each stage its layers' experts whole), prompts in chunks of 16, a
     prompt again from the prefix cache."""
-    path = tiny_checkpoint(arch)
-    single, (_, cached) = _run(path, max_num_batched_tokens=16)
-    parallel, (_, cached_pp) = _run(path, max_num_batched_tokens=16, pipeline_parallel_size=2)
-    _assert_same(single, parallel)
-    assert cached == cached_pp == 48  # 3 of the 61-token prompt's blocks
+    assert_like_one_process(tiny_checkpoint(arch), pipeline_parallel_size=2)
 
 
 def test_steps_overlap_and_stages_hold_their_layers(tiny_checkpoint) -> None:
@@ -87,27 +89,6 @@ def test_stage_layer_ranges() -> None:
     assert PipelineStage(0, 2, tp_rank=1, tp_size=2).rank_of(1) == 3
 
 
-def test_tensor_and_pipeline_parallel_with_preemption(tiny_checkpoint) -> None:
-    """2 stages of 2 tensor-parallel ranks (4 processes), a KV pool too small for the
-    batch: sequences are preempted (only while no other step is in flight) and
-    recomputed, and the result is the single process's."""
-    path = tiny_checkpoint("llama")
-    block_bytes = 2 * 16 * 2 * 2 * 16 * 4  # layers x tokens x (k, v) x KV heads x dim x fp32
-    blocks = 7  # of the 12 the three sequences need at once
-    options = dict(max_tokens=24, max_model_len=96, max_step_ms=0)
-    single, (preempted, _) = _run(path, kv_cache_memory=blocks * block_bytes, **options)
-    # per rank: one layer of two, one KV head of two
-    parallel, (preempted_pp, _) = _run(
-        path,
-        kv_cache_memory=blocks * block_bytes // 4,
-        tensor_parallel_size=2,
-        pipeline_parallel_size=2,
-        **options,
-    )
-    assert preempted > 0 and preempted_pp > 0
-    _assert_same(single, parallel)
-
-
 def test_an_abort_in_flight_waits_for_its_step(tiny_checkpoint) -> None:
     """A request aborted while its step is in the second stage: it gets no token after
     the abort, the others finish, and every block is back in the pool."""
@@ -151,19 +132,16 @@ def test_a_dead_stage_fails_the_engine_cleanly(tiny_checkpoint) -> None:
     llm.close()
 
 
-@pytest.mark.parametrize(
-    "options, named",
-    [
+def test_what_a_pipeline_cannot_do_is_refused() -> None:
+    """Drafts need each step's tokens before the next; a rank count of 0 is no size."""
+    for options, named in [
         (dict(speculative_method="ngram"), "speculative_method 'ngram'"),
         (dict(kv_role="decode"), "kv_role 'decode'"),
-        (dict(pipeline_parallel_size=0), None),
-    ],
-)
-def test_what_a_pipeline_cannot_do_is_refused(options: dict, named: str | None) -> None:
-    options.setdefault("pipeline_parallel_size", 2)
-    with pytest.raises(ValueError, match="pipeline_parallel_size") as error:
-        EngineConfig(**options)
-    assert named is None or named in str(error.value)
+        (dict(pipeline_parallel_size=0), "must be a positive integer"),
+    ]:
+        with pytest.raises(ValueError, match="pipeline_parallel_size") as error:
+            EngineConfig(**{"pipeline_parallel_size": 2, **options})
+        assert named in str(error.value)
 
 
 def test_more_stages_than_layers_are_refused(tiny_checkpoint) -> None:

@@ -64,27 +64,44 @@ def _assert_same(single, parallel) -> None:
 def test_two_ranks_give_the_single_process_result(tiny_checkpoint, arch: str) -> None:
     """Two ranks of Llama (tied head), Qwen2 (qkv bias), Qwen3 (q/k norm), prompts in
     chunks of 16 tokens, a prompt again from the prefix cache."""
-    path = tiny_checkpoint(arch)
+    assert_like_one_process(tiny_checkpoint(arch), tensor_parallel_size=2)
+
+
+def assert_like_one_process(path, **options) -> None:
+    """`options` (ranks) give one process's result, prompts in chunks of 16, the second
+    prompt again from the prefix cache."""
     single, (_, cached) = _run(path, max_num_batched_tokens=16)
-    parallel, (_, cached_tp) = _run(path, max_num_batched_tokens=16, tensor_parallel_size=2)
+    parallel, (_, cached_n) = _run(path, max_num_batched_tokens=16, **options)
     _assert_same(single, parallel)
-    assert cached == cached_tp == 48  # 3 of the 61-token prompt's blocks
+    assert cached == cached_n == 48  # 3 of the 61-token prompt's blocks
 
 
-def test_four_ranks_share_kv_heads_and_survive_preemption(tiny_checkpoint) -> None:
-    """4 ranks of a model with 2 KV heads: each KV head on two ranks. A pool too small
-    for the batch preempts sequences and recomputes them, as it does on one rank."""
+@pytest.mark.parametrize(
+    "ranks, share",
+    [
+        # 4 ranks of a model with 2 KV heads: each KV head on two ranks
+        (dict(tensor_parallel_size=4), 2),
+        # 2 pipeline stages of 2 ranks: a rank one layer of two and one KV head of two;
+        # preempting only while no other step is in flight
+        (dict(tensor_parallel_size=2, pipeline_parallel_size=2), 4),
+    ],
+)
+def test_ranks_survive_preemption(tiny_checkpoint, ranks: dict, share: int) -> None:
+    """A pool too small for the batch preempts sequences and recomputes them, and the
+    result is one rank's."""
     path = tiny_checkpoint("llama")
     block_bytes = 2 * 16 * 2 * 2 * 16 * 4  # layers x tokens x (k, v) x KV heads x dim x fp32
     blocks = 7  # of the 12 the three sequences need at once
     # no step budget: its chunk sizes follow measured step times, and preemptions with them
     options = dict(max_tokens=24, max_model_len=96, max_step_ms=0)
     single, (preempted, _) = _run(path, kv_cache_memory=blocks * block_bytes, **options)
-    # kv_cache_memory is per rank, and a rank has one KV head of two
-    parallel, (preempted_tp, _) = _run(
-        path, kv_cache_memory=blocks * block_bytes // 2, tensor_parallel_size=4, **options
+    # kv_cache_memory is per rank: `share` of a block's bytes are on each
+    parallel, (preempted_n, _) = _run(
+        path, kv_cache_memory=blocks * block_bytes // share, **ranks, **options
     )
-    assert preempted > 0 and preempted_tp == preempted
+    assert preempted > 0 and preempted_n > 0
+    if "pipeline_parallel_size" not in ranks:  # one step at a time: the same choices
+        assert preempted_n == preempted
     _assert_same(single, parallel)
 
 
