@@ -200,7 +200,6 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.size = config.world_size
         self.tp_size = config.tensor_parallel_size
-        self.pp_size = config.pipeline_parallel_size
         self.expert_parallel = config.expert_parallel
         self._dir = tempfile.mkdtemp(prefix="ember-ranks-")
         self._context = zmq.Context()

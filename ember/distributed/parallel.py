@@ -64,10 +64,9 @@ class PipelineStage:
     """This process's pipeline stage among `size`, and its place in that stage's
     tensor-parallel group. Global ranks go stage by stage: stage s, tensor-parallel rank t
     is rank s * tp_size + t. The first stage embeds the tokens and holds the final norm
-    and LM head too (so that rank 0, which samples, has them), and fewer layers for
-    it; each stage sends its
-    residual stream to the next stage's rank of the same t, and the last stage's rank 0
-    sends the final one back to rank 0."""
+    and LM head too (so that rank 0, which samples, has them), and fewer layers for it;
+    each stage sends its residual stream to the next stage's rank of the same t, and the
+    last stage's rank 0 sends the final one back to rank 0."""
 
     stage: int = 0
     size: int = 1
@@ -108,8 +107,7 @@ class PipelineStage:
         return dist.isend(tensor.contiguous(), self.rank_of(stage))
 
     def recv(self, out: torch.Tensor, stage: int, check=None) -> torch.Tensor:
-        """Receives into `out` from `stage`, calling `check` every few ms while waiting
-        (it raises if a peer is gone)."""
+        """Receives into `out` from `stage` (see `wait` for `check`)."""
         wait(self.irecv(out, stage), check)
         return out
 

@@ -57,7 +57,7 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
     )
     socket.send(encoder.encode(ex.Ready(rank, runner.kv_block_bytes, runner.weight_bytes())))
     model = runner.model
-    sends: list = []  # the residual stream on its way to the next stage
+    sent = None  # the residual stream on its way to the next stage
     with torch.inference_mode():
         while True:
             message = decoder.decode(socket.recv())
@@ -69,12 +69,13 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
                     stage.recv(hidden, stage.stage - 1)
                 # (its part of the collectives)
                 hidden = model(ids, positions, runner.kv_caches, meta, hidden)
-                if sends:  # the step before's (Gloo's sends are complete once waited on)
-                    wait(sends.pop())
+                if sent is not None:  # the step before's (Gloo's complete once waited on)
+                    wait(sent)
+                    sent = None
                 if not stage.last:
-                    sends.append(stage.send(hidden, stage.stage + 1))
+                    sent = stage.send(hidden, stage.stage + 1)
                 elif stage.size > 1 and stage.tp_rank == 0:
-                    sends.append(stage.send(hidden, 0))  # to rank 0, which samples
+                    sent = stage.send(hidden, 0)  # to rank 0, which samples
             elif isinstance(message, ex.Logits):
                 if stage.first:  # the head's stage
                     model.compute_logits(message.hidden.value().to(runner.device))

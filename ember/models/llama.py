@@ -177,6 +177,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         stage = pp_stage()  # this stage's layers (all of them without pipeline stages)
         self.stage_layers = stage.layers(config.num_hidden_layers, head_layers(config))
+        self.first_stage = stage.first
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group())
             if stage.first
@@ -186,6 +187,8 @@ class LlamaModel(nn.Module):
             self.layer_cls(config, backend, i) if i in self.stage_layers else OtherStage()
             for i in range(config.num_hidden_layers)
         )
+        # this stage's layers, in order (their KV caches are the ones passed in)
+        self.local_layers = [self.layers[i] for i in self.stage_layers]
         # the final norm where the head is (the first stage, which samples)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.first else None
         self.dtype = torch.get_default_dtype()
@@ -196,17 +199,12 @@ class LlamaModel(nn.Module):
         self.capture_layers: frozenset[int] = frozenset()
         self.captured: list[torch.Tensor] = []  # of the last forward, in layer order
 
-    @property
-    def local_layers(self) -> list[nn.Module]:
-        """This stage's layers, in order (their KV caches are the ones passed in)."""
-        return [self.layers[i] for i in self.stage_layers]
-
     def holds(self, name: str) -> bool:
         """Whether checkpoint tensor `name` is one of this stage's."""
         match = LAYER_NAME.match(name)
         if match is not None:
             return int(match.group(1)) in self.stage_layers
-        return not isinstance(self.embed_tokens, OtherStage)  # embedding, norm, head
+        return self.first_stage  # the embedding, the final norm, the head
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
         """The residual stream after this stage's layers (before the final norm);
