@@ -196,6 +196,8 @@ def _check_up(checkpoint: str) -> None:
             homes += [u for u, n in queries().items() if n != before[u]]
             if len(set(homes)) == 2:
                 break
+            if i == 0:  # its 25 full blocks in the store before another worker looks
+                _wait_store_writes(cluster, homes[0], 200 // 8)
         assert len(set(homes)) == 2, "the router sent every session to one worker"
         assert len(set(answers)) == 1
         # the first worker computed the prompt (then 8 tokens for each repeat); the second
@@ -212,6 +214,18 @@ def _check_up(checkpoint: str) -> None:
     finally:
         cluster.stop()
     print("STORE OK")
+
+
+def _wait_store_writes(cluster, url: str, num_blocks: int, timeout: float = 60.0) -> None:
+    """Until worker `url` has written `num_blocks` blocks to the cluster store (its writes
+    go on after the request; under load they may lag the next request)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tiers = cluster.worker_load(url)["kv_tiers"]
+        if tiers["cluster"]["writes"] >= num_blocks or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert tiers["cluster"]["writes"] >= num_blocks, tiers
 
 
 def _check(checkpoint: str) -> None:
