@@ -106,9 +106,9 @@ class PipelineStage:
 
         return dist.isend(tensor.contiguous(), self.rank_of(stage))
 
-    def recv(self, out: torch.Tensor, stage: int, check=None) -> torch.Tensor:
-        """Receives into `out` from `stage` (see `wait` for `check`)."""
-        wait(self.irecv(out, stage), check)
+    def recv(self, out: torch.Tensor, stage: int) -> torch.Tensor:
+        """Receives into `out` from `stage`."""
+        wait(self.irecv(out, stage))
         return out
 
     def irecv(self, out: torch.Tensor, stage: int):
