@@ -477,7 +477,7 @@ class EngineConfig:
             raise ValueError(
                 f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
             )
-        tiers = self.kv_offload_memory or self.kv_disk_dir or self.kv_store
+        tiers = self.kv_tiers
         if tiers and not self.enable_prefix_caching:
             raise ValueError(
                 "kv_offload_memory, kv_disk_dir and kv_store keep blocks by their prefix "
@@ -531,6 +531,18 @@ class EngineConfig:
             )
             raise ValueError(f"{name} does not work with {', '.join(refused)} yet")
 
+    @property
+    def kv_tiers(self) -> bool:
+        """Whether any KV tier below the pool is asked for."""
+        return bool(self.kv_offload_memory or self.kv_disk_dir or self.kv_store)
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether KV connectors move this engine's blocks in or out (disaggregation, the
+        tiers, or a connector of the user's), beyond a mixed worker's handed-over loads."""
+        custom = set(self.kv_connectors) - {"disagg", "tiers"}
+        return self.kv_role != "mixed" or self.kv_tiers or bool(custom)
+
     def resolve_device(self) -> torch.device:
         import torch
 
@@ -547,15 +559,10 @@ class EngineConfig:
 
 
 def _parallel_refusals(config: EngineConfig) -> list[str]:
-    """What runs on one rank only for now (the KV connectors and hidden-state drafters
-    read and write rank 0's KV and hidden states alone; a pipeline's steps overlap, and
-    drafts need each step's tokens before the next)."""
+    """What runs on one rank only for now (hidden-state drafters read rank 0's hidden
+    states alone; a pipeline's steps overlap, and drafts need each step's tokens before
+    the next)."""
     refused = []
-    if config.kv_role != "mixed":
-        refused.append(f"kv_role {config.kv_role!r} (disaggregation)")
-    for name in ("kv_offload_memory", "kv_disk_dir", "kv_store"):
-        if getattr(config, name) is not None:
-            refused.append(f"{name} (KV tiers)")
     if config.speculative_method in ("eagle3", "mtp") or (
         config.speculative_method is not None and config.pipeline_parallel_size > 1
     ):

@@ -32,9 +32,14 @@ def crafted(listen_port: int, **changes) -> dict:
     """The issue's request: a remote prefill a client made up, pointing at `listen_port`."""
     remote = dict(host="127.0.0.1", port=listen_port, transfer_id="x", block_ids=[0, 1],
                   num_tokens=32, block_size=16, block_bytes=737280, num_blocks=100,
-                  first_token_ids=[1000000000])  # fmt: skip
+                  first_token_ids=[1000000000], kv_pieces=[[0, 0, 2], [1, 0, 2]])  # fmt: skip
     remote.update(changes)
     return dict(CHAT, kv_transfer_params={"remote_prefill": remote})
+
+
+# a prefill of the tiny model on these workers (blocks of 8 tokens, 4 KiB), but for
+# what each case changes
+FITS = dict(first_token_ids=[1], block_size=8, num_tokens=16, block_bytes=4096)
 
 
 def signed(body: dict, secret: str) -> dict:
@@ -99,6 +104,12 @@ def test_client_kv_transfer_params_are_refused_and_the_cluster_keeps_serving(mix
             ({"port": 70000}, "not a TCP port"),
             ({"block_ids": [0]}, "do not cover"),
             ({"first_token_ids": []}, "first_token_ids"),
+            ({"kv_pieces": []}, "kv_pieces must be"),
+            ({"kv_pieces": [[0, 2, 2]]}, "kv_pieces must be"),
+            ({"shm_offsets": [0]}, "shm_offsets must have one"),
+            # what the tiny model's KV is not: other bytes per block, a layer it lacks
+            ({**FITS, "block_bytes": 4000}, "KV layout differs"),
+            ({**FITS, "kv_pieces": [[0, 0, 2], [5, 0, 2]]}, "has no head 0 of layer 1"),
         ]:
             error = error_of(httpx.post(chat, json=signed(crafted(port, **changes), SECRET),
                                         headers=token), 400)  # fmt: skip

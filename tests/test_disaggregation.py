@@ -140,6 +140,36 @@ def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
             cluster.stop()
 
 
+def test_decode_workers_over_two_ranks_take_a_one_rank_prefill_workers_kv(tiny_checkpoint):
+    """`-tp 2 --prefill-tensor-parallel-size 1`: the decode worker reshards each prompt's
+    KV over its two ranks as it arrives, and answers as one mixed process does."""
+    model = str(tiny_checkpoint("llama"))
+    reference = EmberServer(model, *WORKER_ARGS)
+    cluster = None
+    try:
+        cluster = Up(model, "--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2",
+                     "--prefill-tensor-parallel-size", "1")  # fmt: skip
+        made = requests_made_of(LONG) + requests_made_of("Short one.")
+        for path, body in made:
+            want = post(reference.url, path, body).json()
+            got = post(cluster.url, path, body).json()
+            assert got["usage"] == want["usage"]
+            assert answer(got) == answer(want)
+            assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
+        prefill_load = cluster.worker_load(cluster.urls("prefill")[0])
+        decode_load = cluster.worker_load(cluster.urls("decode")[0])
+        assert prefill_load["parallel"]["tensor_parallel_size"] == 1
+        assert decode_load["parallel"]["tensor_parallel_size"] == 2
+        transfers = decode_load["kv_transfer"]
+        assert (transfers["loads_ok"], transfers["loads_failed"]) == (len(made), 0)
+        assert decode_load["num_prompt_tokens_computed"] == 0
+        cluster.wait_no_blocks(timeout=5)
+    finally:
+        reference.stop()
+        if cluster is not None:
+            cluster.stop()
+
+
 # -- one prefill + one decode worker, and a mixed worker as the reference -------------------
 
 

@@ -136,7 +136,6 @@ def test_what_a_pipeline_cannot_do_is_refused() -> None:
     """Drafts need each step's tokens before the next; a rank count of 0 is no size."""
     for options, named in [
         (dict(speculative_method="ngram"), "speculative_method 'ngram'"),
-        (dict(kv_role="decode"), "kv_role 'decode'"),
         (dict(pipeline_parallel_size=0), "must be a positive integer"),
     ]:
         with pytest.raises(ValueError, match="pipeline_parallel_size") as error:

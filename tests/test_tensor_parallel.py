@@ -174,8 +174,6 @@ def test_head_split() -> None:
 @pytest.mark.parametrize(
     "options, named",
     [
-        (dict(kv_role="prefill"), "kv_role 'prefill'"),
-        (dict(kv_offload_memory=1 << 20), "kv_offload_memory"),
         (dict(speculative_method="mtp"), "speculative_method 'mtp'"),
         (dict(tensor_parallel_size=0), None),
     ],

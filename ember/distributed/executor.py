@@ -5,7 +5,9 @@ The core schedules once; its ModelRunner (rank 0) runs the step as it would alon
 `LeaderModel` that first sends every model call (a forward over the step's inputs, logits
 of some hidden rows) to the other ranks, which make the same call on their shard
 (`ember.distributed.rank_worker`), so that every rank enters the same collectives in the
-same order. Only rank 0 samples, keeps requests and runs the KV connectors.
+same order. Only rank 0 samples, keeps requests and runs the KV connectors; when they
+are on, every rank's KV tensors live in one shared-memory file rank 0 maps too
+(ember.kv.layout), so they move every rank's blocks.
 
 Pipeline stages (ember.distributed.parallel.PipelineStage): rank 0's forward is the first
 stage's; it sends the residual stream on to the next stage (torch.distributed isend) and
@@ -14,7 +16,8 @@ next step. Logits calls go to the first stage only (it holds the head).
 
 Messages are msgspec structs over a ZeroMQ PAIR socket per rank (ipc, in a private
 directory): `Hello` (imports done) -> every rank joins the process group -> `Ready`
-(model loaded: its KV block bytes and weight bytes) or `Failed` -> `AllocateKV`, then
+(model loaded: its KV block bytes, weight bytes and what its KV tensors hold) or
+`Failed` -> `AllocateKV` (private, or views of rank 0's shared file), then
 `Forward` / `Logits` per call, `Stop`.
 
 Failure: the workers die with the core (PR_SET_PDEATHSIG); a worker that exits or fails
@@ -84,6 +87,7 @@ class Ready(msgspec.Struct, tag=True):
     rank: int
     kv_block_bytes: int
     weight_bytes: int
+    kv_pieces: list[tuple[int, int, int]]  # (layer, head start, head stop) per KV tensor
 
 
 class Failed(msgspec.Struct, tag=True):
@@ -93,6 +97,10 @@ class Failed(msgspec.Struct, tag=True):
 
 class AllocateKV(msgspec.Struct, tag=True):
     num_blocks: int
+    # the file rank 0 made for every rank's KV tensors, and where each rank's start in
+    # it (index rank - 1); None: each rank allocates its own, private
+    shm_path: str | None = None
+    rank_offsets: list[list[int]] | None = None
 
 
 class Prefill(msgspec.Struct, array_like=True):
@@ -211,6 +219,7 @@ class MultiprocExecutor:
         self.closed = False
         self.rank_block_bytes: list[int] = []
         self.rank_weight_bytes: list[int] = []
+        self.rank_kv_pieces: list[list[tuple[int, int, int]]] = []
         self._store = f"{self._dir}/store"
         threads = len(rank_cores(self.size, 0))
         config_json = msgspec.json.encode(config).decode()
@@ -248,6 +257,7 @@ class MultiprocExecutor:
             ready = self._expect(rank, Ready)
             self.rank_block_bytes.append(ready.kv_block_bytes)
             self.rank_weight_bytes.append(ready.weight_bytes)
+            self.rank_kv_pieces.append(ready.kv_pieces)
 
     def _expect(self, rank: int, kind: type) -> FromRank:
         socket = self._sockets[rank - 1]

@@ -55,7 +55,10 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
     runner = ModelRunner(
         config, model_config, checkpoint, args.max_model_len, group=group, stage=stage
     )
-    socket.send(encoder.encode(ex.Ready(rank, runner.kv_block_bytes, runner.weight_bytes())))
+    pieces = [tuple(piece) for piece in runner.kv_pieces]
+    socket.send(
+        encoder.encode(ex.Ready(rank, runner.kv_block_bytes, runner.weight_bytes(), pieces))
+    )
     model = runner.model
     sent = None  # the residual stream on its way to the next stage
     with torch.inference_mode():
@@ -80,7 +83,11 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
                 if stage.first:  # the head's stage
                     model.compute_logits(message.hidden.value().to(runner.device))
             elif isinstance(message, ex.AllocateKV):
-                runner.allocate_kv_cache(message.num_blocks)
+                if message.shm_path is None:
+                    runner.allocate_kv_cache(message.num_blocks)
+                else:
+                    offsets = message.rank_offsets[rank - 1]
+                    runner.map_kv_cache(message.num_blocks, message.shm_path, offsets)
             elif isinstance(message, ex.Stop):
                 break
     runner.close()

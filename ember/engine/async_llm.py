@@ -114,6 +114,11 @@ class AsyncLLM:
         self.block_size = config.block_size
         # the ranks a model's experts are split over (expert parallel), for /metrics
         self.expert_ranks = config.tensor_parallel_size if config.expert_parallel else 1
+        self.parallel = {  # how the model is split over ranks, for /load
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "pipeline_parallel_size": config.pipeline_parallel_size,
+            "expert_parallel": config.expert_parallel,
+        }
         self.kv_store = config.kv_store  # the cluster tier it shares, if any
         self.client = core  # loads the model while we load the tokenizer
         try:

@@ -27,7 +27,7 @@ from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.speculative import make_speculator
 from ember.engine.step_cost import StepCostModel, StepShape
-from ember.kv.buffers import Prefaulter, block_bytes
+from ember.kv.buffers import Prefaulter
 from ember.kv.connector import ConnectorContext, KVStats, MultiConnector, make_connector
 from ember.kv.tiers import TieredStore
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
@@ -54,7 +54,8 @@ class EngineCore:
         except BaseException:
             self.runner.close()  # no shared-memory file or other rank left behind
             raise
-        self.prefaulter = Prefaulter(self.runner.kv_caches)  # pages ahead of use, when idle
+        kv = self.runner.worker_kv  # pages ahead of use, when idle (every rank's, if it can)
+        self.prefaulter = Prefaulter(kv.every_tensor() if kv else self.runner.kv_caches)
         self.step_cost = StepCostModel()
         # pipeline parallel: one step in flight per stage (see _pipelined_step)
         self.steps_in_flight = envs.pipeline_steps_in_flight(config.pipeline_parallel_size)
@@ -92,15 +93,16 @@ class EngineCore:
                 f"fewer than one sequence of max_model_len={self.max_model_len} needs "
                 f"({min_blocks}); raise kv_cache_memory or lower max_model_len"
             )
-        # a prefill worker's KV lives in shared memory, for decode workers on its host
-        self.runner.allocate_kv_cache(num_blocks, shared=config.kv_role == "prefill")
+        # a prefill worker's KV lives in shared memory, for decode workers on its host; a
+        # model over ranks keeps every rank's there when connectors move it (rank 0 runs
+        # them: ember.kv.layout)
+        shared = config.kv_role == "prefill" or (config.world_size > 1 and config.moves_kv)
+        self.runner.allocate_kv_cache(num_blocks, shared=shared)
         startup.mark("kv cache")
         return num_blocks
 
     def _make_connector(self, config: EngineConfig) -> MultiConnector:
-        context = ConnectorContext(
-            config, self.runner.kv_caches, self._kv_identity(), self.runner.kv_shm_path, KVStats()
-        )
+        context = ConnectorContext(config, self.runner.worker_kv, self._kv_identity(), KVStats())
         connector = make_connector(config.kv_connectors, context)
         tiers = connector.get("tiers")
         self.kv_store: TieredStore | None = tiers.store if tiers is not None else None
@@ -111,7 +113,12 @@ class EngineCore:
         """What the KV this engine computes depends on: the checkpoint, the cache layout,
         the dtypes and the precision of the matmuls (ember.kv.tiers keys blocks by it)."""
         runner = self.runner
-        layout = [(tuple(t.shape[:1] + t.shape[2:]), str(t.dtype)) for t in runner.kv_caches]
+        kv = runner.worker_kv
+        tensors, pieces = (kv.tensors, kv.pieces) if kv else (runner.kv_caches, runner.kv_pieces)
+        layout = [
+            (tuple(piece), tuple(t.shape[:1] + t.shape[2:]), str(t.dtype))
+            for piece, t in zip(pieces, tensors, strict=True)
+        ]
         return (
             f"v1|{self.checkpoint.identity()}|{layout}|block {self.config.block_size}|"
             f"{runner.dtype}|{runner.weight_dtype}|bf16 prefill {runner.bf16_prefill}"
@@ -207,18 +214,25 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if not all(t < vocab for t in remote.first_token_ids):
             raise ValueError(f"kv_transfer_params: first_token_ids must be in [0, {vocab})")
-        if remote.num_tokens != len(core_request.prompt_token_ids):
-            raise ValueError(
-                f"kv_transfer_params: the prefill worker held {remote.num_tokens} prompt "
-                f"tokens, this request has {len(core_request.prompt_token_ids)}"
-            )
         if remote.block_size != self.config.block_size:
             raise ValueError(
                 f"kv_transfer_params: block_size {remote.block_size} differs from this "
                 f"worker's {self.config.block_size}"
             )
-        if remote.block_bytes != block_bytes(self.runner.kv_caches):
-            raise ValueError("kv_transfer_params: the prefill worker's KV layout differs")
+        if self.connector.get("disagg") is None:
+            raise ValueError(
+                "kv_transfer_params: this worker takes no handed-over prefills (a model over "
+                "ranks takes them as a decode worker: kv_role decode)"
+            )
+        try:
+            self.runner.worker_kv.check_sender(remote.pieces(), remote.block_bytes)
+        except ValueError as exc:
+            raise ValueError(f"kv_transfer_params: {exc}") from None
+        if remote.num_tokens != len(core_request.prompt_token_ids):
+            raise ValueError(
+                f"kv_transfer_params: the prefill worker held {remote.num_tokens} prompt "
+                f"tokens, this request has {len(core_request.prompt_token_ids)}"
+            )
         if not 0 < len(remote.first_token_ids) < core_request.max_tokens:
             raise ValueError("kv_transfer_params: first_token_ids must leave tokens to generate")
         if len(remote.block_ids) != -(-remote.num_tokens // remote.block_size):

@@ -20,6 +20,7 @@ class KVCacheSpec:
     num_parts: int  # 2: keys and values; 1: one latent vector per token (MLA)
     num_heads: int
     head_dim: int
+    head_start: int = 0  # the model's first KV head among these (a tensor-parallel rank's)
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's cache tensor."""

@@ -25,6 +25,7 @@ from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from ember.engine.sampler import Sampler
 from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ember.kv import buffers as kv_buffers
+from ember.kv.layout import Piece, WorkerKV
 from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
 from ember.models.layers import BF16_MIN_ROWS, Linear, can_pack_for_cpu, cpu_has_bf16
@@ -102,7 +103,8 @@ class ModelRunner:
             raise
         # the layers whose KV this rank keeps (a pipeline stage's)
         stage_layers = getattr(getattr(self.model, "model", None), "stage_layers", None)
-        self.num_kv_layers = len(stage_layers or range(model_config.num_hidden_layers))
+        self.kv_layers = list(stage_layers or range(model_config.num_hidden_layers))
+        self.num_kv_layers = len(self.kv_layers)
         layers = getattr(getattr(self.model, "model", None), "layers", [])
         self.moe_layers = [
             (i, x.mlp)
@@ -112,6 +114,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_shm_path: str | None = None
+        # every rank's KV as the KV connectors see it (ember.kv.layout); None while a
+        # model over ranks keeps each rank's KV to that rank
+        self.worker_kv: WorkerKV | None = None
         # set by a drafter that reads the target's hidden states (EAGLE-3, MTP): from a
         # step's hidden states [rows, hidden] (before the final norm), what it reads
         self.features: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -235,14 +240,40 @@ class ModelRunner:
         share = _available_host_memory() * (fraction or 0.5) / self.config.world_size
         return min(int(share), CPU_KV_CACHE_CAP)
 
+    @property
+    def kv_pieces(self) -> list[Piece]:
+        """What each of this rank's KV tensors holds: its layer and KV heads."""
+        spec = self.kv_spec
+        return [Piece(i, spec.head_start, spec.head_start + spec.num_heads) for i in self.kv_layers]
+
     def allocate_kv_cache(self, num_blocks: int, shared: bool = False) -> None:
-        """Allocates the KV tensors; `shared`: in one shared-memory file (CPU only)."""
+        """Allocates the KV tensors; `shared` (CPU only): in one shared-memory file, with
+        every rank's tensors when the model spans ranks (ember.kv.layout), so that the KV
+        connectors here reach them all."""
         shape = self.kv_spec.shape(num_blocks, self.block_size)
-        if self.executor is not None:
-            self.executor.send(AllocateKV(num_blocks))
-        self.kv_caches, self.kv_shm_path = kv_buffers.allocate(
-            shape, self.num_kv_layers, self.dtype, self.device, shm=shared
-        )
+        pieces = self.kv_pieces
+        if shared and self.device.type == "cpu":
+            shapes, every_piece = [shape] * len(pieces), list(pieces)
+            for rank_pieces in self.executor.rank_kv_pieces if self.executor else []:
+                for layer, head_start, head_stop in rank_pieces:
+                    shapes.append((*shape[:3], head_stop - head_start, shape[4]))
+                    every_piece.append(Piece(layer, head_start, head_stop))
+            tensors, path, offsets = kv_buffers.allocate_shared(shapes, self.dtype)
+            if self.executor is not None:
+                ranks, start = [], len(pieces)
+                for rank_pieces in self.executor.rank_kv_pieces:
+                    ranks.append(offsets[start : start + len(rank_pieces)])
+                    start += len(rank_pieces)
+                self.executor.send(AllocateKV(num_blocks, path, ranks))
+            self.kv_caches, self.kv_shm_path = tensors[: len(pieces)], path
+            self.worker_kv = WorkerKV.of(tensors, every_piece, path, offsets)
+        else:
+            if self.executor is not None:
+                self.executor.send(AllocateKV(num_blocks))
+            self.kv_caches, self.kv_shm_path = kv_buffers.allocate(
+                shape, self.num_kv_layers, self.dtype, self.device, shm=False
+            )
+            self.worker_kv = None if self.executor else WorkerKV.of(self.kv_caches, pieces)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GB)",
             num_blocks,
@@ -250,8 +281,14 @@ class ModelRunner:
             num_blocks * self.kv_block_bytes / 1e9,
         )
 
+    def map_kv_cache(self, num_blocks: int, path: str, offsets: list[int]) -> None:
+        """A rank > 0's KV tensors, in the file rank 0 allocated for every rank's."""
+        shape = self.kv_spec.shape(num_blocks, self.block_size)
+        self.kv_caches = kv_buffers.map_shared(path, [shape] * len(offsets), offsets, self.dtype)
+
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+        self.worker_kv = None
         kv_buffers.remove_shm(self.kv_shm_path)
         self.kv_shm_path = None
 

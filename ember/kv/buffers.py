@@ -46,15 +46,52 @@ def allocate(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device
     if not shm or not os.path.isdir(SHM_DIR):
         flat = _anonymous(numel * dtype.itemsize).view(dtype)
         return list(flat.view(num_layers, *shape).unbind(0)), None
+    tensors, path, _ = allocate_shared([shape] * num_layers, dtype)
+    return tensors, path
+
+
+def allocate_shared(
+    shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], str, list[int]]:
+    """Tensors of these shapes in one new shared-memory file, each at a page boundary:
+    (the tensors, the file's path, each one's byte offset). A model's ranks keep their
+    KV so (ember.kv.layout), each mapping the file (`map_shared`)."""
+    offsets, end = [], 0
+    for shape in shapes:
+        offsets.append(end)
+        end += -(-_numel(shape) * dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
+    if not os.path.isdir(SHM_DIR):
+        raise ValueError(f"a KV cache over several ranks needs {SHM_DIR} (shared memory)")
+    stat = os.statvfs(SHM_DIR)
+    if stat.f_bavail * stat.f_frsize < end:
+        raise ValueError(
+            f"the KV cache ({end / 1e9:.2f} GB over every rank) does not fit the free space "
+            f"of {SHM_DIR} ({stat.f_bavail * stat.f_frsize / 1e9:.2f} GB): lower "
+            f"kv_cache_memory, or give {SHM_DIR} more room (docker: --shm-size)"
+        )
     remove_stale_shm()
     path = os.path.join(SHM_DIR, f"ember-kv-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, numel * dtype.itemsize)  # tmpfs: zero-filled, pages on first touch
+        os.ftruncate(fd, max(end, 1))  # tmpfs: zero-filled, pages on first touch
     finally:
         os.close(fd)
-    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    return list(flat.view(num_layers, *shape).unbind(0)), path
+    return map_shared(path, shapes, offsets, dtype), path, offsets
+
+
+def map_shared(
+    path: str, shapes: Sequence[tuple[int, ...]], offsets: Sequence[int], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Views of the tensors `allocate_shared` made (or another engine's, same layout)."""
+    size = os.path.getsize(path)
+    raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    tensors = []
+    for shape, offset in zip(shapes, offsets, strict=True):
+        num_bytes = _numel(shape) * dtype.itemsize
+        if offset < 0 or offset % dtype.itemsize or offset + num_bytes > size:
+            raise ValueError(f"{path} does not hold a KV cache of this layout")
+        tensors.append(raw[offset : offset + num_bytes].view(dtype).view(shape))
+    return tensors
 
 
 def _anonymous(num_bytes: int) -> torch.Tensor:
@@ -62,15 +99,6 @@ def _anonymous(num_bytes: int) -> torch.Tensor:
     (torch.zeros would write every page now; torch.empty gives no such promise.)"""
     memory = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(memory, dtype=torch.uint8, count=num_bytes)  # keeps `memory` alive
-
-
-def map_shm(path: str, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype):
-    """Another engine's KV tensors, mapped from its shared-memory file."""
-    numel = num_layers * _numel(shape)
-    if os.path.getsize(path) != numel * dtype.itemsize:
-        raise ValueError(f"{path} does not hold a KV cache of this layout")
-    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    return list(flat.view(num_layers, *shape).unbind(0))
 
 
 def remove_stale_shm() -> None:
@@ -187,11 +215,8 @@ def _libc_madvise():
 
 
 def block_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
-    """Bytes of one block over all layers."""
-    if not kv_caches:
-        return 0
-    layer = kv_caches[0]
-    return len(kv_caches) * layer.shape[0] * layer[0, 0].numel() * layer.element_size()
+    """Bytes of one block over all layers (tensors)."""
+    return sum(t.shape[0] * t[0, 0].numel() * t.element_size() for t in kv_caches)
 
 
 def node_id() -> str:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.kv.layout import WorkerKV
+
 logger = logging.getLogger("ember.kv")
 
 
@@ -270,10 +272,17 @@ class ConnectorContext:
     """What a connector factory gets: the engine's config and KV, and the shared stats."""
 
     config: object  # EngineConfig
-    kv_caches: Sequence[torch.Tensor]
+    # every rank's KV tensors, what each holds, and their shared-memory file, if any
+    # (ember.kv.layout); None for a model over ranks whose KV stays with each rank (a
+    # mixed worker without tiers): then a connector that moves KV must decline
+    kv: WorkerKV | None
     kv_identity: str  # what the KV depends on (checkpoint, layout, precision)
-    kv_shm_path: str | None
     stats: KVStats
+
+    @property
+    def kv_caches(self) -> Sequence[torch.Tensor]:
+        """The KV tensors that move, one per distinct piece."""
+        return self.kv.tensors if self.kv is not None else []
 
 
 ConnectorFactory = Callable[[ConnectorContext], "KVConnector | None"]

@@ -11,6 +11,11 @@ endpoint (`server.KVTransferServer`) over the engine's KV tensors; on any worker
 loads in background threads through a transport and reports which finished, so the
 engine keeps decoding other requests while a prompt's blocks arrive.
 
+A model over ranks: the tensors that move are every rank's (ember.kv.layout), one per
+distinct piece; a decode worker whose ranks split the KV as the prefill worker's do takes
+them tensor to tensor, one split otherwise reshards them on arrival. Copies of a piece on
+other ranks (shared KV heads, MLA's latent) move once and are copied here.
+
 A decode request's life: admitted with its local prefix-cache hit -> blocks allocated for
 the rest of the prompt (not yet findable by hash) -> WAITING_FOR_KV while a thread fetches
 only those blocks -> on success its prompt counts as computed and its blocks become
@@ -24,14 +29,12 @@ from __future__ import annotations
 import logging
 import secrets
 import zlib
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import torch
 
 from ember import envs
 from ember.kv.buffers import block_bytes, chunks, node_id
 from ember.kv.connector import ConnectorContext, KVConnector
+from ember.kv.layout import WorkerKV, reshard, staging
 from ember.kv.params import RemotePrefill
 from ember.kv.server import HeldTransfers, KVTransferServer
 from ember.kv.transport import KVTransferError, ShmTransport, Transport, make_transport
@@ -44,7 +47,7 @@ class KVConnectorWorker:
 
     def __init__(
         self,
-        kv_caches: Sequence[torch.Tensor],
+        kv: WorkerKV,
         *,
         role: str,
         transport: str,
@@ -54,14 +57,13 @@ class KVConnectorWorker:
         timeout: float,
         checksum: bool,
         fake_fault: str | None = None,
-        shm_path: str | None = None,
     ) -> None:
-        self.kv_caches = kv_caches
+        self.kv = kv
+        self.kv_caches = kv_caches = kv.tensors  # the tensors that move (one per piece)
         self.block_bytes = block_bytes(kv_caches)
         self.num_blocks = kv_caches[0].shape[1] if kv_caches else 0
         self.transport_name = transport
         self.checksum = checksum
-        self.shm_path = shm_path
         self.holds = HeldTransfers()
         self.server: KVTransferServer | None = None
         self._transports: dict[str, Transport] = {}
@@ -93,10 +95,14 @@ class KVConnectorWorker:
             self.mooncake.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def transport_for(self, remote: RemotePrefill) -> Transport:
+    def transport_for(self, remote: RemotePrefill, direct: bool = True) -> Transport:
+        """`direct`: blocks land in our tensors as they are (else in staging tensors,
+        which a Mooncake engine has not registered: they come over TCP)."""
         name = self.transport_name
         if name == "auto":
             name = "shm" if ShmTransport.usable(remote) else "tcp"
+        elif name == "mooncake" and not direct:
+            name = "tcp"
         transport = self._transports.get(name)
         if transport is None:
             transport = make_transport(
@@ -113,23 +119,31 @@ class KVConnectorWorker:
         self._pool.submit(self._release, remote)
 
     def _load(self, remote: RemotePrefill, src_ids: list[int], dst_ids: list[int]) -> int:
+        """Fetches the blocks into ours; by way of staging tensors when the prefill
+        worker's ranks split the KV otherwise (ember.kv.layout); then fills replicas."""
         if not src_ids:
             self._release(remote)
             return 0
-        transport = self.transport_for(remote)
         try:
-            num_bytes, crc = transport.fetch(
-                remote, src_ids, self.kv_caches, dst_ids, self.checksum
-            )
+            plan = self.kv.check_sender(remote.pieces(), remote.block_bytes)
+            targets, target_ids = self.kv_caches, dst_ids
+            if plan is not None:
+                targets = staging(remote.pieces(), self.kv_caches[0], len(src_ids))
+                target_ids = list(range(len(src_ids)))
+            transport = self.transport_for(remote, direct=plan is None)
+            num_bytes, crc = transport.fetch(remote, src_ids, targets, target_ids, self.checksum)
         except BaseException:
             self._release(remote)  # best effort: the prefill worker need not wait it out
             raise
         if crc is not None:
             local = 0
-            for view in chunks(self.kv_caches, dst_ids):
+            for view in chunks(targets, target_ids):
                 local = zlib.crc32(view, local)
             if local != crc:
                 raise KVTransferError("the received blocks do not match the sender's checksum")
+        if plan is not None:
+            reshard(targets, plan, self.kv_caches, dst_ids)
+        self.kv.fill_replicas(dst_ids)
         return num_bytes
 
     def _release(self, remote: RemotePrefill) -> None:
@@ -218,9 +232,11 @@ class DisaggConnector(KVConnector):
             block_bytes=self.worker.block_bytes,
             num_blocks=self.worker.num_blocks,
             first_token_ids=request.output_token_ids,
+            kv_pieces=[tuple(piece) for piece in self.worker.kv.pieces],
             num_cached_tokens=max(request.num_cached_tokens, 0),
             node=self.worker.node,
-            shm_path=self.worker.shm_path,
+            shm_path=self.worker.kv.shm_path,
+            shm_offsets=self.worker.kv.shm_offsets,
             mooncake_session=mooncake.session if mooncake else None,
             kv_addrs=mooncake.kv_addrs if mooncake else None,
         )
@@ -251,10 +267,13 @@ class DisaggConnector(KVConnector):
         return freed
 
 
-def make_disagg(context: ConnectorContext) -> DisaggConnector:
+def make_disagg(context: ConnectorContext) -> DisaggConnector | None:
+    """None where the engine's KV is out of reach (a mixed worker over ranks)."""
+    if context.kv is None:
+        return None
     config = context.config
     worker = KVConnectorWorker(
-        context.kv_caches,
+        context.kv,
         role=config.kv_role,
         transport=config.kv_transport,
         secret=envs.cluster_secret(),
@@ -263,6 +282,5 @@ def make_disagg(context: ConnectorContext) -> DisaggConnector:
         timeout=config.kv_load_timeout,
         checksum=config.kv_checksum,
         fake_fault=config.kv_fake_fault,
-        shm_path=context.kv_shm_path,
     )
     return DisaggConnector(worker, config.block_size, config.kv_hold_timeout, context.stats)

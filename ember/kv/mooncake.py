@@ -113,9 +113,9 @@ class MooncakeTransport(Transport):
         """Local addresses, peer addresses and lengths: per layer, part by part (keys then
         values), per stretch of consecutive blocks on both sides."""
         local, peer, lengths = [], [], []
-        block = dst_caches[0][0, 0].numel() * dst_caches[0].element_size()  # one part's
-        dst_blocks = dst_caches[0].shape[1]
         for layer, base in zip(dst_caches, remote.kv_addrs, strict=True):
+            block = layer[0, 0].numel() * layer.element_size()  # one part's
+            dst_blocks = layer.shape[1]
             for kv in range(layer.shape[0]):
                 for src, dst, count in joint_runs(src_ids, dst_ids):
                     local.append(layer.data_ptr() + (kv * dst_blocks + dst) * block)

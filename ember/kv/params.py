@@ -18,6 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from ember import cluster
+from ember.kv.layout import MAX_PIECES, Piece
 
 MAX_FIRST_TOKENS = 16  # tokens a prefill may hand over with its KV (it sends one today)
 
@@ -34,12 +35,16 @@ class RemotePrefill(msgspec.Struct, forbid_unknown_fields=True):
     block_bytes: int  # bytes of one block over all layers (a layout check)
     num_blocks: int  # blocks in the prefill worker's KV cache (its tensors' layout)
     first_token_ids: list[int]  # sampled by the prefill worker, already part of the output
+    # what each KV tensor sent holds, in the order sent: (layer, first KV head, end KV
+    # head) of the model's (ember.kv.layout: a decode worker split otherwise reshards)
+    kv_pieces: list[tuple[int, int, int]]
     first_logprobs: list[list[tuple[int, float]]] | None = None  # per first token
     num_cached_tokens: int = 0  # the prefill worker's prefix-cache hit
     node: str = ""  # the prefill host's identity (boot id); shared memory needs the same
     shm_path: str | None = None  # the prefill worker's KV cache file, when in shared memory
+    shm_offsets: list[int] | None = None  # ... and where each KV tensor sent starts in it
     mooncake_session: str | None = None  # its Mooncake Transfer Engine, when it runs one
-    kv_addrs: list[int] | None = None  # ... and each layer's KV tensor address there
+    kv_addrs: list[int] | None = None  # ... and each KV tensor's address there
     signature: str = ""  # the prefill worker's HMAC over every other field
 
     def check(self) -> None:
@@ -67,6 +72,20 @@ class RemotePrefill(msgspec.Struct, forbid_unknown_fields=True):
             "first_logprobs must have one entry per first token",
         )
         _check(0 <= self.num_cached_tokens <= self.num_tokens, "num_cached_tokens out of range")
+        _check(
+            0 < len(self.kv_pieces) <= MAX_PIECES
+            and all(layer >= 0 and 0 <= start < stop for layer, start, stop in self.kv_pieces),
+            f"kv_pieces must be 1-{MAX_PIECES} (layer, head start, head stop) with start < stop",
+        )
+        for name in ("shm_offsets", "kv_addrs"):
+            values = getattr(self, name)
+            _check(
+                values is None or (len(values) == len(self.kv_pieces) and min(values) >= 0),
+                f"{name} must have one offset or address >= 0 per KV piece",
+            )
+
+    def pieces(self) -> list[Piece]:
+        return [Piece(*piece) for piece in self.kv_pieces]
 
     def payload(self) -> bytes:
         """The canonical bytes the signature covers (every field but the signature)."""

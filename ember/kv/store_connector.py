@@ -218,6 +218,7 @@ def make_tiers(context: ConnectorContext) -> TierConnector | None:
         config.kv_disk_size,
         cluster,
         config.session_ttl,
+        context.kv.fill_replicas,
     )
     return TierConnector(
         store, config.block_size, config.kv_load_timeout, context.stats, config.kv_save

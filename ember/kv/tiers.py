@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -254,8 +254,10 @@ class TieredStore:
         disk_bytes: int,
         cluster=None,  # a MooncakeStoreTier (exists, put, get, close), or None
         session_ttl: float = 3600.0,
+        loaded: Callable[[list[int]], None] | None = None,  # after a load: fill replicas
     ) -> None:
         self.kv_caches = kv_caches
+        self._loaded = loaded
         self.block_bytes = block_bytes(kv_caches)
         self.space = namespace(identity)
         self.stats = TierStats()
@@ -434,6 +436,8 @@ class TieredStore:
             self._count(tier, start)
             if self.host is not None:  # the next turn finds it in memory
                 self.host.put(key, [memoryview(data)], retain=retain)
+        if self._loaded is not None:
+            self._loaded([block_id for _, block_id in blocks])
         return len(blocks) * self.block_bytes
 
     def _count(self, tier: TierCounters, start: float) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from ember.kv import wire
-from ember.kv.buffers import SHM_DIR, chunks, map_shm, node_id
+from ember.kv.buffers import SHM_DIR, chunks, map_shared, node_id
 from ember.kv.params import RemotePrefill
 
 
@@ -113,7 +113,7 @@ class ShmTransport(Transport):
 
     def __init__(self, secret: bytes, timeout: float) -> None:
         super().__init__(secret, timeout)
-        self._maps: dict[str, list[torch.Tensor]] = {}
+        self._maps: dict[tuple, list[torch.Tensor]] = {}
 
     @staticmethod
     def usable(remote: RemotePrefill) -> bool:
@@ -132,11 +132,19 @@ class ShmTransport(Transport):
         return num_bytes, None  # memory to memory on one host: nothing to check against
 
     def _map(self, remote: RemotePrefill, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        caches = self._maps.get(remote.shm_path)
+        """The prefill worker's tensors that move, mapped from its file (shaped as `like`
+        but for their blocks)."""
+        key = (remote.shm_path, tuple(remote.kv_pieces), tuple(remote.shm_offsets or ()))
+        caches = self._maps.get(key)
         if caches is None:
-            shape = (like[0].shape[0], remote.num_blocks, *like[0].shape[2:])  # its blocks
-            caches = map_shm(remote.shm_path, len(like), shape, like[0].dtype)
-            self._maps[remote.shm_path] = caches
+            if remote.shm_offsets is None or len(like) != len(remote.kv_pieces):
+                raise KVTransferError("the prefill worker did not say where its KV lies")
+            shapes = [(t.shape[0], remote.num_blocks, *t.shape[2:]) for t in like]  # its blocks
+            try:
+                caches = map_shared(remote.shm_path, shapes, remote.shm_offsets, like[0].dtype)
+            except (OSError, ValueError) as exc:
+                raise KVTransferError(str(exc)) from None
+            self._maps[key] = caches
         return caches
 
 

@@ -321,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         heads = head_split(
             config.num_attention_heads, config.num_key_value_heads, group.size, group.rank
         )
-        return KVCacheSpec(2, heads.num_kv, config.head_dim)
+        return KVCacheSpec(2, heads.num_kv, config.head_dim, heads.kv_start)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()

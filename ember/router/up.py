@@ -2,10 +2,11 @@
 
 Life cycle: start the workers (`ember serve` on ports --worker-port, +1, ...: K mixed,
 or N prefill + M decode, all sharing a fresh cluster secret, so that they serve only the
-router and trust only each other's KV; with --pin each on its own share of the CPU cores); once all answer /health, start `ember router` on --port in front of
-them and wait until it counts them all healthy; print the URL; then wait. Ctrl-C or SIGTERM
-(or the router exiting) stops them all: SIGTERM to each, SIGKILL to any still running
-after a grace period. A worker that exits is started again with the same command (after
+router and trust only each other's KV; with --pin each on its own share of the CPU
+cores, which its ranks split); once all answer /health, start `ember router` on --port
+in front of them and wait until it counts them all healthy; print the URL; then wait.
+Ctrl-C or SIGTERM (or the router exiting) stops them all: SIGTERM to each, SIGKILL to
+any still running after a grace period. A worker that exits is started again with the same command (after
 1 s, doubling to 30 s between tries; --worker-restarts times at most), and meanwhile the
 router routes around it; a restarted worker with a disk tier serves warm from it.
 
@@ -13,6 +14,10 @@ Clients' API key is the router's to check (passed in its environment, never on a
 line); the server options (queue limit, body limit, shutdown timeout, protected metrics,
 tool-call and reasoning parsers) go to every worker, and the body limit and protected
 metrics to the router too.
+
+`--tensor-parallel-size N` runs every worker on N ranks; `--prefill-tensor-parallel-size`
+and `--decode-tensor-parallel-size` size one role's workers otherwise (the decode workers
+reshard the prefill workers' KV as it arrives: ember.kv.layout).
 
 `--kv-disk-dir DIR` gives worker i the directory DIR/worker-i: a worker's disk tier is its
 own, and the same worker finds it again after a restart.
@@ -54,6 +59,10 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     parser.add_argument("--worker-port", type=int, default=8100,
                         help="first worker's port; the others follow (default 8100)")  # fmt: skip
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                            metavar="N", help=f"ranks of each {role} worker (default: "
+                            "--tensor-parallel-size); KV is resharded between sizes")  # fmt: skip
     parser.add_argument("--pin", action="store_true",
                         help="pin each worker to its own share of the CPU cores")  # fmt: skip
     parser.add_argument("--worker-restarts", type=int, default=5,
@@ -147,6 +156,9 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
             urls.append(url)
             router_args += [f"--{role}", url]
             options = dict(engine_options)
+            ranks = getattr(args, f"{role}_tensor_parallel_size", None)
+            if ranks is not None:
+                options["tensor_parallel_size"] = ranks
             if options.get("kv_port"):  # each worker's KV endpoint on its own port
                 options["kv_port"] += i
             if options.get("kv_disk_dir"):  # and its own disk tier

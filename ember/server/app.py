@@ -134,6 +134,7 @@ def build_app(
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_prompt_tokens_computed": stats.num_prompt_tokens_computed,
             "role": llm.role,
+            "parallel": llm.parallel,
             "kv_store": llm.kv_store,  # workers naming the same store share their KV
             "kv_transfer": {
                 "waiting_for_kv": stats.num_waiting_for_kv,
