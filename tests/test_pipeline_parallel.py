@@ -67,6 +67,33 @@ def test_steps_overlap_and_stages_hold_their_layers(tiny_checkpoint) -> None:
     assert not any(n.startswith("model.layers.1.") for n in names)
 
 
+def test_one_prompts_chunks_overlap_in_the_stages(tiny_checkpoint) -> None:
+    """One 61-token prompt alone, in chunks of 16: each chunk goes in while the one
+    before is in the second stage (they run in order in every stage, so a chunk reads
+    the KV the one before wrote), and tokens and prompt logprobs are one process's."""
+    path = str(tiny_checkpoint("llama"))
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=2)
+    options = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_step_ms=0)
+    with LLM(path, **options) as llm:
+        (want,) = llm.generate(PROMPTS[1:2], params)
+    with LLM(path, **options, pipeline_parallel_size=2) as llm:
+        core, starts = llm.engine.core, []
+        submit = core.runner.submit
+
+        def watched(out):  # the positions of the chunks in flight when each goes in
+            starts.append(sorted(s.start for step in core._in_flight for s in step.out.scheduled)
+                          + [s.start for s in out.scheduled])  # fmt: skip
+            return submit(out)
+
+        core.runner.submit = watched
+        (got,) = llm.generate(PROMPTS[1:2], params)
+        assert _overlapped(llm) == 3  # chunks 2, 3 and 4 each with the one before
+    assert starts[:4] == [[0], [0, 16], [16, 32], [32, 48]]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for a, b in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+
 def test_stage_layer_ranges() -> None:
     """Contiguous ranges, the first stage's shorter by its head (SmolLM2's weighs as much
     as 8 of its layers, and counts for 4), later stages taking the extra layer."""

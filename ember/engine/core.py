@@ -162,7 +162,7 @@ class EngineCore:
         busy = self._busy()
         for request_id in request_ids:
             sequences = self._sequence_ids.get(request_id, [request_id])
-            if busy.intersection(sequences):
+            if busy.keys() & set(sequences):
                 self._aborts_due.add(request_id)
                 continue
             for sequence_id in sequences:
@@ -324,7 +324,7 @@ class EngineCore:
         outputs = self._update(oldest, self.runner.finish(oldest.pending))
         # aborts that waited for this step (their sequences were in flight)
         busy = self._busy()
-        due = [i for i, sequences in waiting.items() if busy.isdisjoint(sequences)]
+        due = [i for i, sequences in waiting.items() if busy.keys().isdisjoint(sequences)]
         if due:
             self._aborts_due.difference_update(due)
             self.abort_requests(due)
@@ -332,9 +332,15 @@ class EngineCore:
             outputs = [o for o in outputs if o.request_id not in dropped]
         return outputs
 
-    def _busy(self) -> set[str]:
-        """The sequences in steps not yet finished (pipeline parallel)."""
-        return {s.request.request_id for step in self._in_flight for s in step.out.scheduled}
+    def _busy(self) -> dict[str, int]:
+        """The sequences in steps not yet finished (pipeline parallel), with their tokens
+        in those steps."""
+        busy: dict[str, int] = {}
+        for step in self._in_flight:
+            for sched in step.out.scheduled:
+                request_id = sched.request.request_id
+                busy[request_id] = busy.get(request_id, 0) + sched.num_new_tokens
+        return busy
 
     def drain(self) -> None:
         """Finishes the steps in flight, dropping their tokens (before close)."""

@@ -360,7 +360,7 @@ class ModelRunner:
         for sched in batch:
             num = sched.num_new_tokens + len(sched.spec_token_ids)
             out[sched.request.request_id] = (
-                sched.request.num_computed_tokens,
+                sched.start,
                 features[row : row + num].clone(),
             )
             row += num
@@ -379,7 +379,7 @@ class ModelRunner:
         whose first `num_decodes` entries compute one known token each (and their drafts)."""
         rows = []
         for i, sched in enumerate(batch):
-            start = sched.request.num_computed_tokens
+            start = sched.start
             if i < num_decodes:
                 tokens = [sched.request.token_ids[start], *sched.spec_token_ids]
             else:

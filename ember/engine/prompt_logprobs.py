@@ -36,7 +36,7 @@ def compute_prompt_logprobs(
     out: dict[str, PromptLogprobs] = {}
     offset = 0
     for sched in batch:
-        request, start = sched.request, sched.request.num_computed_tokens
+        request, start = sched.request, sched.start
         if request.needs_prompt_logprobs:
             done = len(request.prompt_logprobs.entries)
             first, end = (

@@ -42,11 +42,17 @@ class ScheduledRequest:
     block_ids: list[int]
     # a decode's draft tokens (speculative decoding), computed after its known token
     spec_token_ids: list[int] = field(default_factory=list)
+    # the position of this step's first token: the request's computed tokens when it was
+    # scheduled, and the tokens of its steps still in flight (pipeline parallel: a
+    # prompt's next chunk goes while its last is in a later stage)
+    start: int = -1
+    # whether this step reaches the end of the known tokens, so that it yields a token
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so it yields a token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -168,17 +174,20 @@ class Scheduler:
     def schedule(
         self,
         drafts: dict[str, list[int]] | None = None,
-        busy: frozenset[str] | set[str] = frozenset(),
+        busy: dict[str, int] | None = None,
         max_scheduled: int | None = None,
     ) -> SchedulerOutput:
         """This step's work; `drafts`: draft tokens (by request id) for running requests
         that decode, each computed after the request's known token if the step has room.
 
-        Pipeline parallel (several steps in flight): `busy` are the ids of running
-        requests in a step not yet updated, which this one leaves out (and never
-        preempts: a request that needs blocks then waits for those steps instead);
+        Pipeline parallel (several steps in flight): `busy` are the running requests in
+        steps not yet updated (id -> their tokens in those steps), which this one never
+        preempts (a request that needs blocks then waits for those steps instead) and
+        leaves out, but for the next chunk of a prompt whose last chunk is in flight:
+        the stages run steps in order, so that chunk reads the KV the one before wrote.
         `max_scheduled`: the most requests this step takes, so that the running ones
         spread over the steps in flight."""
+        busy = busy or {}
         if self.connector is not None:
             self._end_loads()
             for key in self.connector.collect():
@@ -212,26 +221,28 @@ class Scheduler:
         out: SchedulerOutput,
         budget: _Budget,
         drafts: dict[str, list[int]],
-        busy: frozenset[str] | set[str],
+        busy: dict[str, int],
         limit: int,
     ) -> None:
         i = 0
         while i < len(self.running) and budget.num_tokens > 0 and len(out.scheduled) < limit:
             request = self.running[i]
-            if request.request_id in busy:
+            in_flight = busy.get(request.request_id, 0)
+            left = request.num_tokens - request.num_computed_tokens - in_flight
+            if left < 1:  # its step in flight samples: its next token is not known yet
                 i += 1
                 continue
-            num_new = budget.take(request.num_tokens - request.num_computed_tokens)
+            num_new = budget.take(left)
             if num_new == 0:  # a prefill chunk, when the step has no room for more
                 i += 1
                 continue
-            spec = drafts.get(request.request_id, []) if num_new == 1 else []
+            spec = drafts.get(request.request_id, []) if num_new == 1 and not in_flight else []
             spec = spec[: budget.num_tokens]
             # drafts get slots only where there are free blocks for them
             if spec and self.kv_cache.allocate_slots(request, 1, num_lookahead=len(spec)) is None:
                 spec = []
             if not spec:
-                while self.kv_cache.allocate_slots(request, num_new) is None:
+                while self.kv_cache.allocate_slots(request, in_flight + num_new) is None:
                     if busy:  # the steps in flight may free blocks: wait, preempt nothing
                         out.blocked = True
                         return
@@ -242,7 +253,9 @@ class Scheduler:
                         return
             budget.num_tokens -= len(spec)
             block_ids = self.kv_cache.block_ids(request.request_id)
-            out.scheduled.append(ScheduledRequest(request, num_new, block_ids, list(spec)))
+            start = request.num_computed_tokens + in_flight
+            sched = ScheduledRequest(request, num_new, block_ids, list(spec), start)
+            out.scheduled.append(sched)
             i += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget, limit: int) -> None:
