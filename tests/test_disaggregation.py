@@ -79,6 +79,17 @@ def _pid_serving(url: str) -> int:
     raise AssertionError(f"no process serves {url}")
 
 
+def assert_answers_alike(cluster, reference, made: list[tuple[str, dict]]) -> None:
+    """The cluster answers as the reference worker does: usage, tokens and finish reasons
+    equal, logprobs up to rounding."""
+    for path, body in made:
+        want = post(reference.url, path, body).json()
+        got = post(cluster.url, path, body).json()
+        assert got["usage"] == want["usage"]
+        assert answer(got) == answer(want)
+        assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
+
+
 # -- clusters of their own -------------------------------------------------------------
 
 
@@ -121,13 +132,8 @@ def test_a_failed_transfer_is_recomputed_and_leaves_no_block(tiny_checkpoint):
     try:
         cluster = Up(model, "--prefill", "1", "--decode", "1",
                      "--kv-transport", "fake", "--kv-fake-fault", "fail")  # fmt: skip
-        for path, body in requests_made_of(LONG):
-            want = post(reference.url, path, body).json()
-            got = post(cluster.url, path, body).json()
-            assert got["usage"] == want["usage"]
-            # recomputed as one prefill: the same tokens, logprobs equal up to rounding
-            assert answer(got) == answer(want)
-            assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
+        # recomputed as one prefill: the same tokens, logprobs equal up to rounding
+        assert_answers_alike(cluster, reference, requests_made_of(LONG))
         decode_load = cluster.worker_load(cluster.urls("decode")[0])
         assert decode_load["kv_transfer"]["loads_failed"] == 2
         assert decode_load["num_prompt_tokens_computed"] > 0  # recomputed there
@@ -150,12 +156,7 @@ def test_decode_workers_over_two_ranks_take_a_one_rank_prefill_workers_kv(tiny_c
         cluster = Up(model, "--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2",
                      "--prefill-tensor-parallel-size", "1")  # fmt: skip
         made = requests_made_of(LONG) + requests_made_of("Short one.")
-        for path, body in made:
-            want = post(reference.url, path, body).json()
-            got = post(cluster.url, path, body).json()
-            assert got["usage"] == want["usage"]
-            assert answer(got) == answer(want)
-            assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
+        assert_answers_alike(cluster, reference, made)
         prefill_load = cluster.worker_load(cluster.urls("prefill")[0])
         decode_load = cluster.worker_load(cluster.urls("decode")[0])
         assert prefill_load["parallel"]["tensor_parallel_size"] == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import test_kv_connector
 import torch
 from test_kv_connector import GREEDY, MAX_TOKENS, PROMPT, decode, make_core, prefill, run, settle
 from test_kv_connector import tokens as step_tokens
@@ -28,16 +29,8 @@ pytestmark = pytest.mark.skipif(not shm_comm.ORDERED_STORES, reason="x86-64 rank
 TP2 = dict(tensor_parallel_size=2)
 TP4 = dict(tensor_parallel_size=4)  # the tiny llama's 2 KV heads: each on two ranks
 PP2 = dict(pipeline_parallel_size=2)
-
-
-@pytest.fixture(autouse=True)
-def secret(monkeypatch):
-    monkeypatch.setenv("EMBER_CLUSTER_SECRET", "test-secret")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return str(tiny_checkpoint("llama"))
+# fixtures of the one-process hand-off tests: the tiny llama's path, the cluster secret
+checkpoint, secret = test_kv_connector.checkpoint, test_kv_connector.secret
 
 
 @pytest.fixture(scope="module")
