@@ -274,7 +274,8 @@ class ConnectorContext:
     config: object  # EngineConfig
     # every rank's KV tensors, what each holds, and their shared-memory file, if any
     # (ember.kv.layout); None for a model over ranks whose KV stays with each rank (a
-    # mixed worker without tiers): then a connector that moves KV must decline
+    # mixed worker without tiers): then a connector that moves KV must decline. One that
+    # writes blocks into `kv.tensors` calls `kv.fill_replicas(block_ids)` after
     kv: WorkerKV | None
     kv_identity: str  # what the KV depends on (checkpoint, layout, precision)
     stats: KVStats
