@@ -7,6 +7,7 @@ sequence (slices and aranges), never with a Python loop over tokens.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -253,18 +254,15 @@ class ModelRunner:
         shape = self.kv_spec.shape(num_blocks, self.block_size)
         pieces = self.kv_pieces
         if shared and self.device.type == "cpu":
-            shapes, every_piece = [shape] * len(pieces), list(pieces)
-            for rank_pieces in self.executor.rank_kv_pieces if self.executor else []:
-                for layer, head_start, head_stop in rank_pieces:
-                    shapes.append((*shape[:3], head_stop - head_start, shape[4]))
-                    every_piece.append(Piece(layer, head_start, head_stop))
+            others = self.executor.rank_kv_pieces if self.executor else []
+            ranks = [pieces] + [[Piece(*piece) for piece in rank] for rank in others]
+            every_piece = [piece for rank in ranks for piece in rank]
+            shapes = [(*shape[:3], p.head_stop - p.head_start, shape[4]) for p in every_piece]
             tensors, path, offsets = kv_buffers.allocate_shared(shapes, self.dtype)
-            if self.executor is not None:
-                ranks, start = [], len(pieces)
-                for rank_pieces in self.executor.rank_kv_pieces:
-                    ranks.append(offsets[start : start + len(rank_pieces)])
-                    start += len(rank_pieces)
-                self.executor.send(AllocateKV(num_blocks, path, ranks))
+            if self.executor is not None:  # each rank's offsets, in rank order after ours
+                ends = list(itertools.accumulate(len(rank) for rank in ranks))
+                rank_offsets = [offsets[a:b] for a, b in itertools.pairwise(ends)]
+                self.executor.send(AllocateKV(num_blocks, path, rank_offsets))
             self.kv_caches, self.kv_shm_path = tensors[: len(pieces)], path
             self.worker_kv = WorkerKV.of(tensors, every_piece, path, offsets)
         else:

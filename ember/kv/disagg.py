@@ -125,10 +125,11 @@ class KVConnectorWorker:
             self._release(remote)
             return 0
         try:
-            plan = self.kv.check_sender(remote.pieces(), remote.block_bytes)
+            pieces = remote.pieces()
+            plan = self.kv.check_sender(pieces, remote.block_bytes)
             targets, target_ids = self.kv_caches, dst_ids
             if plan is not None:
-                targets = staging(remote.pieces(), self.kv_caches[0], len(src_ids))
+                targets = staging(pieces, self.kv_caches[0], len(src_ids))
                 target_ids = list(range(len(src_ids)))
             transport = self.transport_for(remote, direct=plan is None)
             num_bytes, crc = transport.fetch(remote, src_ids, targets, target_ids, self.checksum)

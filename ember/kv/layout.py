@@ -115,13 +115,14 @@ def reshard_plan(src: Sequence[Piece], dst: Sequence[Piece]) -> list[list[tuple[
     for piece in dst:
         runs, head = [], piece.head_start
         while head < piece.head_stop:
-            found = [(i, p) for i, p in by_layer.get(piece.layer, []) if p.head_start <= head]
-            found = [(i, p) for i, p in found if head < p.head_stop]
-            if not found:
+            candidates = by_layer.get(piece.layer, [])
+            found = next(((i, p) for i, p in candidates if p.head_start <= head < p.head_stop),
+                         None)  # fmt: skip
+            if found is None:
                 raise ValueError(
                     f"the prefill worker's KV has no head {head} of layer {piece.layer}"
                 )
-            i, source = found[0]
+            i, source = found
             count = min(source.head_stop, piece.head_stop) - head
             runs.append((i, head - source.head_start, head - piece.head_start, count))
             head += count
