@@ -2,7 +2,7 @@
 tokens per second, the share of rank 0's step spent in collectives, and each rank's peak RSS.
 
     python benchmarks/tensor_parallel.py [--model smollm2-135m] [--batch 1 4] [--tokens 64]
-    python benchmarks/tensor_parallel.py --moe DIR   # a random ~2 GB Qwen3-MoE, EP=2
+    python benchmarks/tensor_parallel.py --moe DIR   # a random ~2 GB Qwen3-MoE, EP=2, TP=2
     python benchmarks/tensor_parallel.py --pipeline --batch 4 8   # PP=2, 1 or 2 steps in flight
 
 `--pipeline` runs PP=2 (one core per stage) instead of TP=2, once with a step at a time
@@ -13,7 +13,8 @@ step's submission to its tokens, and "in coll." the share of rank 0's time spent
 for the last stage's hidden states.
 
 `--moe DIR` builds (once) a random-init Qwen3-MoE of about 2 GB in DIR (8 layers of 32
-experts, 8 a token) and runs its TP=2 configuration with expert parallelism.
+experts, 8 a token) and runs two ranks twice: experts split by expert (EP=2) and each
+expert's width split (TP=2, tensor parallel within the experts).
 
 Each configuration runs in a fresh process (peak RSS of its own): TP=1 on one thread,
 TP=1 on as many threads as TP=2 has cores, TP=2 with one core per rank. Per batch size:
@@ -50,7 +51,7 @@ def run_one(args: argparse.Namespace) -> dict:
     comm_s = [0.0]
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
               max_model_len=1024, kv_cache_memory=256 << 20, max_step_ms=0,
-              expert_parallel=args.expert_parallel and args.tp > 1)  # fmt: skip
+              expert_parallel=args.expert_parallel)  # fmt: skip
     runner = llm.engine.core.runner
     if args.pp > 1:
         from ember.distributed.executor import PendingHidden
@@ -80,7 +81,7 @@ def run_one(args: argparse.Namespace) -> dict:
     text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     result = {"tp": args.tp, "pp": args.pp, "threads": args.threads, "batches": {}}
     for batch in args.batch:
-        if args.expert_parallel:  # the random MoE (--moe) has no tokenizer
+        if args.token_ids:  # the random MoE (--moe) has no tokenizer
             prompts = [[(7 * j + i) % 1000 + 5 for j in range(20)] for i in range(batch)]
         else:
             prompts = [tokenizer.encode(f"{i}. {text}") for i in range(batch)]
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--moe", default=None, help="build and run a random MoE in this dir")
     parser.add_argument("--expert-parallel", action="store_true", help="(internal)")
+    parser.add_argument("--token-ids", action="store_true", help="(internal) prompts as ids")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--pipeline", action="store_true", help="PP=2 instead of TP=2")
@@ -148,17 +150,22 @@ def main() -> None:
     if args.moe is not None:
         args.model = build_moe(args.moe)
     cores = len(os.sched_getaffinity(0))
-    # (tp, pp, threads per rank, steps in flight)
-    configs = [(1, 1, 1, None), (1, 1, min(2, cores), None)]
-    configs += [(1, 2, 1, 1), (1, 2, 1, 2)] if args.pipeline else [(2, 1, 1, None)]
+    # (tp, pp, threads per rank, steps in flight, expert parallel)
+    configs = [(1, 1, 1, None, False), (1, 1, min(2, cores), None, False)]
+    if args.pipeline:
+        configs += [(1, 2, 1, 1, False), (1, 2, 1, 2, False)]
+    else:
+        configs += [(2, 1, 1, None, True)] if args.moe is not None else []
+        configs += [(2, 1, 1, None, False)]
     print(f"model {args.model}, {args.tokens} new tokens, {cores} cores")
     print(f"{'config':<22} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'in coll.':>8}  "
           "peak RSS MB per rank / weights MB")  # fmt: skip
-    for tp, pp, threads, in_flight in configs:
+    for tp, pp, threads, in_flight, by_expert in configs:
         command = [sys.executable, __file__, "--model", args.model, "--tp", str(tp),
                    "--pp", str(pp), "--threads", str(threads), "--tokens", str(args.tokens),
                    "--batch", *map(str, args.batch)]  # fmt: skip
-        command += ["--expert-parallel"] if args.moe is not None else []
+        command += ["--token-ids"] if args.moe is not None else []
+        command += ["--expert-parallel"] if by_expert else []
         env = dict(os.environ)
         if in_flight is not None:
             env["EMBER_PIPELINE_STEPS_IN_FLIGHT"] = str(in_flight)
@@ -167,7 +174,7 @@ def main() -> None:
         if pp > 1:
             name = f"PP={pp}, {in_flight} in flight"
         else:
-            kind = "EP" if args.moe is not None and tp > 1 else "TP"
+            kind = "EP" if by_expert else "TP"
             name = f"{kind}={tp} ({threads} thr{'/rank' if tp > 1 else ''})"
         for batch, row in result["batches"].items():
             rss = " ".join(f"{mb:.0f}" for mb in result["peak_rss_mb"])

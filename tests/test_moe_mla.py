@@ -180,7 +180,8 @@ def test_router_picks_transformers_experts(tiny_checkpoint, arch):
             torch.testing.assert_close(our_weights, their_weights, atol=0, rtol=0)
 
 
-def _rewrite(src, dst, config_edit, rename):
+def rewrite_checkpoint(src, dst, rename, config_edit=lambda config: config):
+    """A copy of checkpoint `src` at `dst`, its tensors `rename`d, its config edited."""
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(config_edit(config)))
@@ -189,22 +190,24 @@ def _rewrite(src, dst, config_edit, rename):
     return dst
 
 
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tiny DeepSeek-V3's per-expert tensors in transformers' in-memory layout (each
+    layer's experts stacked: gate_up_proj, down_proj)."""
+    out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        e = range(8)
+        gate_up = [torch.cat([tensors[f"{prefix}.{i}.{p}_proj.weight"] for p in ("gate", "up")]) for i in e]  # fmt: skip
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{i}.down_proj.weight"] for i in e])  # fmt: skip
+    return out
+
+
 def test_stacked_expert_tensors_load_like_per_expert_ones(tiny_checkpoint, tmp_path):
     """transformers' in-memory layout (experts stacked: gate_up_proj, down_proj)."""
     path = tiny_checkpoint("deepseek_v3")
     _, expected = reference(path, "deepseek_v3")
-
-    def stack(tensors):
-        out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
-        for layer in (1, 2):
-            prefix = f"model.layers.{layer}.mlp.experts"
-            e = range(8)
-            gate_up = [torch.cat([tensors[f"{prefix}.{i}.{p}_proj.weight"] for p in ("gate", "up")]) for i in e]  # fmt: skip
-            out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-            out[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{i}.down_proj.weight"] for i in e])  # fmt: skip
-        return out
-
-    stacked = _rewrite(path, tmp_path / "stacked", lambda c: c, stack)
+    stacked = rewrite_checkpoint(path, tmp_path / "stacked", stack_experts)
     llm = LLM(str(stacked), **SMALL_KV)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
@@ -225,7 +228,7 @@ def test_kimi_k25_config_wraps_a_deepseek_v3_text_model(tiny_checkpoint, tmp_pat
         out["vision_tower.patch_embed.weight"] = torch.zeros(8, 8)
         return out
 
-    kimi = _rewrite(path, tmp_path / "kimi", wrap, rename)
+    kimi = rewrite_checkpoint(path, tmp_path / "kimi", rename, wrap)
     config = ModelConfig.from_hf(json.loads((kimi / "config.json").read_text()))
     assert config.architecture == "DeepseekV3ForCausalLM" and config.mla.kv_lora_rank == 16
     llm = LLM(str(kimi), **SMALL_KV)
@@ -251,7 +254,9 @@ def test_multi_token_prediction_layers_are_loaded_and_kept(tiny_checkpoint, tmp_
         out.update({f"model.layers.3.{k}": torch.randn(shape) for k, shape in extra.items()})
         return out
 
-    mtp = _rewrite(path, tmp_path / "mtp", lambda c: dict(c, num_nextn_predict_layers=1), add_mtp)
+    mtp = rewrite_checkpoint(
+        path, tmp_path / "mtp", add_mtp, lambda c: dict(c, num_nextn_predict_layers=1)
+    )
     llm = LLM(str(mtp), **SMALL_KV)
     model = llm.engine.core.runner.model
     written = load_file(mtp / "model.safetensors")

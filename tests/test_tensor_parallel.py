@@ -186,8 +186,6 @@ def test_what_one_rank_only_does_is_refused(options: dict, named: str | None) ->
 
 
 def test_models_that_do_not_split_are_refused_before_ranks_start(tiny_checkpoint) -> None:
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(str(tiny_checkpoint("mixtral")), kv_cache_memory=8 << 20, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="cannot be shared evenly by 3 ranks"):
         LLM(str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20, tensor_parallel_size=3)
     assert not _rank_processes()
@@ -302,29 +300,51 @@ def test_serve_with_two_ranks_and_a_rank_killed(tiny_checkpoint) -> None:
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_expert_parallel_gives_the_single_process_result(tiny_checkpoint, arch: str) -> None:
-    """Experts split over two ranks (2 of Mixtral's 4 each; 4 of Qwen3-MoE's 8, whose
-    other layers are dense), attention split as above: the single-process result, with
-    each rank holding only its experts and reading nothing of the others'."""
+@pytest.mark.parametrize("by_expert", [True, False], ids=["expert-parallel", "within-experts"])
+def test_experts_over_two_ranks_give_the_single_process_result(
+    tiny_checkpoint, arch: str, by_expert: bool
+) -> None:
+    """Experts split over two ranks, attention split as above: the single-process result.
+    Expert parallel: each rank holds 2 of Mixtral's 4 experts (4 of Qwen3-MoE's 8, whose
+    other layers are dense) and reads nothing of the others'; within experts (tensor
+    parallel alone, vLLM's default): every expert, half of its intermediate features."""
     from ember.models.moe import Experts
 
     path = tiny_checkpoint(arch)
+    options = dict(tensor_parallel_size=2, expert_parallel=by_expert)
     single, _ = _run(path, max_num_batched_tokens=16)
-    parallel, _ = _run(
-        path, max_num_batched_tokens=16, tensor_parallel_size=2, expert_parallel=True
-    )
+    parallel, _ = _run(path, max_num_batched_tokens=16, **options)
     _assert_same(single, parallel)
-    with LLM(
-        str(path), kv_cache_memory=8 << 20, tensor_parallel_size=2, expert_parallel=True
-    ) as llm:
+    with LLM(str(path), kv_cache_memory=8 << 20, **options) as llm:
         runner = llm.engine.core.runner
         experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
-        assert experts and all(e.num_local * 2 == e.num_experts for e in experts)
-        assert all(e.gate_up_proj.shape[0] == e.num_local for e in experts)
         shares = [runner.weight_bytes(), *runner.executor.rank_weight_bytes]
+    assert experts
+    for e in experts:
+        if by_expert:
+            assert e.num_local * 2 == e.num_experts == 2 * e.gate_up_proj.shape[0]
+            assert e.down_proj.shape[2] == e.intermediate_size
+        else:
+            assert e.num_local == e.num_experts == e.gate_up_proj.shape[0]
+            assert e.gate_up_proj.shape[1] == e.intermediate_size == 2 * e.down_proj.shape[2]
     with LLM(str(path), kv_cache_memory=8 << 20) as llm:
         whole = llm.engine.core.runner.weight_bytes()
     assert all(0.45 * whole < share < 0.56 * whole for share in shares)
+
+
+@pytest.mark.parametrize("by_expert", [True, False], ids=["expert-parallel", "within-experts"])
+def test_stacked_expert_tensors_over_two_ranks(tiny_checkpoint, tmp_path, by_expert) -> None:
+    """A checkpoint in transformers' in-memory layout (each layer's experts in one
+    gate_up_proj and one down_proj tensor) over two ranks: each rank takes its experts, or
+    its rows of gate and of up and its columns of down; the single-process result."""
+    from test_moe_mla import rewrite_checkpoint, stack_experts
+
+    path = rewrite_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path / "stacked", stack_experts)
+    single, _ = _run(path, max_num_batched_tokens=16)
+    parallel, _ = _run(
+        path, max_num_batched_tokens=16, tensor_parallel_size=2, expert_parallel=by_expert
+    )
+    _assert_same(single, parallel)
 
 
 def test_expert_load_per_rank_in_metrics(tiny_checkpoint) -> None:
@@ -359,10 +379,15 @@ def test_expert_load_per_rank_in_metrics(tiny_checkpoint) -> None:
 
 
 @pytest.mark.parametrize("per_expert", [False, True])
-def test_expert_parallel_from_a_gguf_file(tiny_checkpoint, tmp_path: Path, per_expert) -> None:
+@pytest.mark.parametrize("by_expert", [True, False], ids=["expert-parallel", "within-experts"])
+def test_experts_over_two_ranks_from_a_gguf_file(
+    tiny_checkpoint, tmp_path: Path, per_expert, by_expert
+) -> None:
     """A Q8_0 Mixtral GGUF file (experts stacked per projection, or one tensor each) over
-    two expert-parallel ranks: each dequantizes and decodes from the blocks of its own
-    experts only, and the tokens are the single process's."""
+    two ranks: each dequantizes and decodes from the blocks of its own experts only (expert
+    parallel), or of its rows of every expert's gate and up and its columns of down (within
+    experts: 64 of 128 features, two whole Q8_0 blocks per row); the single process's
+    tokens."""
     from gguf_convert import QT, write_gguf
     from transformers import AutoModelForCausalLM
 
@@ -372,13 +397,17 @@ def test_expert_parallel_from_a_gguf_file(tiny_checkpoint, tmp_path: Path, per_e
     path = write_gguf(model, "mixtral", tmp_path / "m.gguf", qtype=QT.Q8_0, per_expert=per_expert)
     prompts = [p[:20] for p in PROMPTS]
     single, _ = _run(path, prompts, max_tokens=16)
-    parallel, _ = _run(path, prompts, max_tokens=16, tensor_parallel_size=2, expert_parallel=True)
+    options = dict(tensor_parallel_size=2, expert_parallel=by_expert)
+    parallel, _ = _run(path, prompts, max_tokens=16, **options)
     _assert_same(single, parallel)
-    with LLM(
-        str(path), kv_cache_memory=8 << 20, tensor_parallel_size=2, expert_parallel=True
-    ) as llm:
+    with LLM(str(path), kv_cache_memory=8 << 20, **options) as llm:
         experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)]
-    assert all(e.blocks["gate_up_proj"].shape[0] == e.num_local == 2 for e in experts)
+    assert experts
+    for e in experts:
+        gate_up, down = e.blocks["gate_up_proj"], e.blocks["down_proj"]
+        assert gate_up.shape[0] == down.shape[0] == e.num_local == (2 if by_expert else 4)
+        assert gate_up.shape[1] == 2 * (128 if by_expert else 64)
+        assert down.shape[2] == (4 if by_expert else 2)  # Q8_0 blocks of 32 per row
 
 
 def test_a_model_over_its_rank_budget_is_served_by_two(tiny_checkpoint) -> None:
@@ -399,16 +428,19 @@ def test_a_model_over_its_rank_budget_is_served_by_two(tiny_checkpoint) -> None:
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v3_plain"])
-def test_latent_attention_over_two_ranks(tiny_checkpoint, arch: str) -> None:
+@pytest.mark.parametrize(
+    "arch, by_expert", [("deepseek_v3", True), ("deepseek_v3_plain", True), ("deepseek_v3", False)]
+)
+def test_latent_attention_over_two_ranks(tiny_checkpoint, arch: str, by_expert: bool) -> None:
     """DeepSeek-V3's MLA (q through a LoRA or not) with its heads split over two ranks
-    and its experts too: the single-process result. Each rank caches the whole latent
-    (a block takes as many bytes as on one rank) and holds half the heads' rows."""
+    and its experts too (by expert, or within each with the shared expert): the
+    single-process result. Each rank caches the whole latent (a block takes as many
+    bytes as on one rank) and holds half the heads' rows."""
     path = tiny_checkpoint(arch)
     with LLM(str(path), kv_cache_memory=8 << 20) as llm:
         block_bytes = llm.engine.core.runner.kv_block_bytes
     single, _ = _run(path, max_num_batched_tokens=16)
-    options = dict(tensor_parallel_size=2, expert_parallel=True)
+    options = dict(tensor_parallel_size=2, expert_parallel=by_expert)
     with LLM(str(path), kv_cache_memory=8 << 20, **options) as llm:
         runner = llm.engine.core.runner
         assert runner.kv_block_bytes == block_bytes == runner.executor.rank_block_bytes[0]

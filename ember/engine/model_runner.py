@@ -564,11 +564,6 @@ def check_parallel(
             f"tensor_parallel_size={size}: the model has only "
             f"{model_config.num_attention_heads} attention heads"
         )
-    if model_config.moe is not None and size > 1 and not config.expert_parallel:
-        raise ValueError(
-            f"tensor_parallel_size={size}: a mixture-of-experts model splits by expert "
-            "only: add expert_parallel (--expert-parallel)"
-        )
     if stages > model_config.num_hidden_layers:
         raise ValueError(
             f"pipeline_parallel_size={stages}: the model has only "

@@ -368,36 +368,45 @@ def iter_indexed_blocks(
         if tensor.tensor_type not in BLOCK_FORMATS:
             continue
         _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        num_columns = int(tensor.shape[0])
         if match := _STACKED_EXPERTS.fullmatch(tensor.name):  # expert by expert
             layer, part = match.groups()
             for expert in range(tensor.data.shape[0]):
                 name = _expert_name(layer, expert, part)
-                if narrow is not None and narrow(name) == SKIP:  # another rank's expert
-                    continue
-                rows = np.array(tensor.data[expert], dtype=np.uint8)
-                rows = rows.reshape(rows.shape[0], -1, type_size)
-                yield name, torch.from_numpy(rows)
+                piece = narrow(name) if narrow is not None else None
+                rows = _block_rows(tensor.data[expert], piece, type_size, num_columns)
+                if rows is not None:
+                    yield name, torch.from_numpy(rows)
             continue
         if len(tensor.shape) != 2:
             continue
         name = _hf_name(tensor.name)
-        part = narrow(name) if narrow is not None else None
-        if part == SKIP:
+        piece = narrow(name) if narrow is not None else None
+        rows = _block_rows(tensor.data, piece, type_size, num_columns)
+        if rows is None:
             continue
-        data, num_rows = tensor.data, tensor.data.shape[0]
-        if part is not None and part[0] == 0:
-            data = data[part[1] : part[1] + part[2]]
-        rows = np.array(data, dtype=np.uint8)  # a row's blocks move as a whole
-        rows = rows.reshape(rows.shape[0], -1, type_size)
-        if part is not None and part[0] == 1:
-            per_block = int(tensor.shape[0]) // rows.shape[1]  # weights per block
-            _, start, length = part
-            if start % per_block or length % per_block:
-                continue
-            rows = np.ascontiguousarray(rows[:, start // per_block : (start + length) // per_block])
         if interleaved_rope:
-            rows = _undo_rope_permutation(tensor.name, rows, config, num_rows)
+            rows = _undo_rope_permutation(tensor.name, rows, config, tensor.data.shape[0])
         yield name, torch.from_numpy(rows)
+
+
+def _block_rows(data: np.ndarray, piece, type_size: int, num_columns: int) -> np.ndarray | None:
+    """uint8 [rows, blocks per row, bytes per block] of a matrix's raw `data`, or of the
+    part `piece` names (dim, start, length); None for SKIP, or columns that do not fall
+    on block boundaries."""
+    if piece == SKIP:
+        return None
+    if piece is not None and piece[0] == 0:
+        data = data[piece[1] : piece[1] + piece[2]]
+    rows = np.array(data, dtype=np.uint8)  # a row's blocks move as a whole
+    rows = rows.reshape(rows.shape[0], -1, type_size)
+    if piece is not None and piece[0] == 1:
+        per_block = num_columns // rows.shape[1]  # weights per block
+        _, start, length = piece
+        if start % per_block or length % per_block:
+            return None
+        rows = np.ascontiguousarray(rows[:, start // per_block : (start + length) // per_block])
+    return rows
 
 
 def _iter_weights(
@@ -420,10 +429,16 @@ def _iter_weights(
             layer, part = match.groups()
             for expert in range(tensor.data.shape[0]):  # one expert's floats at a time
                 name = _expert_name(layer, expert, part)
-                if narrow is not None and narrow(name) == SKIP:  # another rank's expert
+                piece = narrow(name) if narrow is not None else None
+                if piece == SKIP:  # another rank's expert
                     yield name, torch.empty(0)
                     continue
-                weights = _dequantize(tensor, tensor.data[expert])
+                data = tensor.data[expert]
+                if piece is not None and piece[0] == 0:  # the rank's rows only
+                    data = data[piece[1] : piece[1] + piece[2]]
+                weights = _dequantize(tensor, data)
+                if piece is not None and piece[0] == 1:  # its columns
+                    weights = np.ascontiguousarray(weights[:, piece[1] : piece[1] + piece[2]])
                 yield name, torch.from_numpy(weights)
             continue
         part = None
@@ -479,11 +494,12 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _dequantize(tensor: Any, data: np.ndarray | None = None) -> np.ndarray:
-    """float32 values of `tensor` (or of `data`, a slice of its outermost dim) in HF shape."""
+    """float32 values of `tensor` (or of `data`, one expert of stacked experts, or rows of
+    one) in HF shape."""
     if data is None:
         data, hf_shape = tensor.data, tuple(reversed(tensor.shape.tolist()))
     else:
-        hf_shape = tuple(reversed(tensor.shape.tolist()))[1:]
+        hf_shape = (-1, *tuple(reversed(tensor.shape.tolist()))[2:])
     weights = dequantize(data, tensor.tensor_type).reshape(hf_shape)
     # F32 comes back as a read-only view of the mmap: copy it so torch owns writable memory.
     return np.require(weights, dtype=np.float32, requirements=["C", "W"])

@@ -107,11 +107,6 @@ def moe_or_dense_mlp(config: ModelConfig, layer: int) -> nn.Module:
     moe = config.moe
     if moe is None or not moe.is_moe_layer(layer):
         return LlamaMLP(config)
-    if tp_group().size > 1 and not tp_group().expert_parallel:
-        raise ValueError(
-            "tensor_parallel_size > 1 splits mixture-of-experts layers by expert only: "
-            "add expert_parallel (--expert-parallel)"
-        )
     shared = (
         LlamaMLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
     )
@@ -407,8 +402,8 @@ class LlamaForCausalLM(nn.Module):
             self._experts = ExpertTensors(self)
         expert = self._experts.expert_of(name)
         if expert is not None:  # nothing of an expert another rank holds (expert parallel)
-            layer, index = expert
-            return None if layer.holds(index) else SKIP
+            layer, index, part = expert
+            return layer.shard_of_expert(index, part)
         return shard_of(self._params, *self._param_name(name))
 
     def _checkpoint_name(self, name: str) -> str | None:

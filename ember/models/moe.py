@@ -17,8 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MoEConfig
-from ember.distributed.parallel import TPGroup, split, tp_group
-from ember.models.layers import BLOCK_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS, new_param, silu_and_mul
+from ember.distributed.parallel import SKIP, split, tp_group
+from ember.models.layers import (
+    BLOCK_GEMM_MAX_ROWS,
+    SMALL_GEMM_MAX_ROWS,
+    default_weight_loader,
+    new_param,
+    silu_and_mul,
+)
+from ember.models.parallel_layers import narrowed
 
 
 class TopKRouter(nn.Module):
@@ -76,20 +83,34 @@ class Experts(nn.Module):
     (`load_blocks`: ember's block GEMM, bit-identical to the fp32 weights, 4-7x fewer
     bytes), else streams the weights once through ember's small GEMM.
 
-    Expert parallel (a group with `expert_parallel`): this rank holds experts [first,
-    first + num_local) only; every rank routes every token (the hidden states are the
-    same on all), runs its own experts' share, and the shares are summed over the ranks.
+    Over several ranks every rank routes every token (the hidden states are the same on
+    all), runs its share of the experts' work, and the shares are summed over the ranks
+    (by the caller, `SparseMoE`, with the shared expert's share: one all-reduce):
+    - expert parallel (a group with `expert_parallel`): this rank holds whole experts
+      [first, first + num_local) only;
+    - else (tensor parallel within each expert, as vLLM does by default): this rank holds
+      every expert's intermediate features [inter_start, inter_start + inter_size), the
+      rows of gate and up and the columns of down that go with them.
     """
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
-        size = moe.intermediate_size
         self.num_experts = moe.num_experts
-        group = tp_group()
-        self.group = group if group.expert_parallel else TPGroup()
-        self.first, self.num_local = split(moe.num_experts, self.group.size, self.group.rank)
+        self.intermediate_size = moe.intermediate_size
+        self.group = group = tp_group()
+        by_expert = group.expert_parallel or group.size == 1
+        self.first, self.num_local = split(moe.num_experts, group.size, group.rank)
+        self.inter_start, self.inter_size = 0, moe.intermediate_size
+        if not by_expert:
+            self.first, self.num_local = 0, moe.num_experts
+            self.inter_start, self.inter_size = split(moe.intermediate_size, group.size, group.rank)
+        size = self.inter_size
         self.gate_up_proj = new_param(self.num_local, 2 * size, hidden_size)
         self.down_proj = new_param(self.num_local, hidden_size, size)
+        for param in (self.gate_up_proj, self.down_proj):
+            param.weight_loader = self._load_stacked
+        self.gate_up_proj.shard_of = lambda shard_id=None: self._stacked_part("gate_up_proj")
+        self.down_proj.shard_of = lambda shard_id=None: self._stacked_part("down_proj")
         self.small_gemm = None  # ember's kernel for an expert's few rows (pack_for_cpu)
         # GGUF blocks of the stacked weights, uint8 [experts, out, blocks per row, bytes
         # per block] (pack_for_cpu keeps them where ember's block GEMM takes them)
@@ -131,11 +152,48 @@ class Experts(nn.Module):
         has_blocks = any(blocks is not None for blocks in self.blocks.values())
         self.block_gemm = kernels.block_gemm if has_blocks else None
 
+    def shard_of_expert(self, expert: int, part: str) -> tuple[int, int, int] | None:
+        """The part (dim, start, length) of expert `expert`'s `part` weight ([out, in]) this
+        rank holds: SKIP for another rank's expert, None for all of it."""
+        if not self.holds(expert):
+            return SKIP
+        if self.inter_size == self.intermediate_size:
+            return None
+        return (1 if part == "down_proj" else 0, self.inter_start, self.inter_size)
+
+    def _stacked_part(self, name: str) -> tuple[int, int, int] | None:
+        """The part of a stacked checkpoint tensor (transformers' in-memory layout) this
+        rank reads: its experts, or every expert's down columns; None: all of it (gate_up
+        under tensor parallel: two ranges of rows, narrowed once read)."""
+        if self.num_local != self.num_experts:
+            return (0, self.first, self.num_local)
+        if self.inter_size != self.intermediate_size and name == "down_proj":
+            return (2, self.inter_start, self.inter_size)
+        return None
+
+    def _load_stacked(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        """A stacked `gate_up_proj` [experts, 2 x intermediate, hidden] or `down_proj`
+        [experts, hidden, intermediate], whole or as `_stacked_part` read it."""
+        if tensor.dim() == 3 and tensor.shape[0] == self.num_experts:
+            tensor = tensor.narrow(0, self.first, self.num_local)
+        full, start, size = self.intermediate_size, self.inter_start, self.inter_size
+        if tensor.dim() == 3 and size != full:
+            if param is self.down_proj and tensor.shape[2] == full:
+                tensor = tensor.narrow(2, start, size)
+            elif param is self.gate_up_proj and tensor.shape[1] == 2 * full:
+                gate, up = tensor.narrow(1, start, size), tensor.narrow(1, full + start, size)
+                tensor = torch.cat([gate, up], dim=1)
+        default_weight_loader(param, tensor)
+
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
-        """One expert's `gate_proj`, `up_proj` or `down_proj` weight ([out, in])."""
+        """One expert's `gate_proj`, `up_proj` or `down_proj` weight ([out, in]), whole or
+        as `shard_of_expert` says."""
         target = self._expert_part(self.gate_up_proj.data, self.down_proj.data, expert, part)
         if target is None:  # another rank's
             return
+        piece = self.shard_of_expert(expert, part)
+        if piece is not None:
+            tensor = narrowed(tensor, piece, self.intermediate_size)
         if target.shape != tensor.shape:
             raise ValueError(
                 f"expert {expert} {part}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
@@ -148,6 +206,9 @@ class Experts(nn.Module):
         target = self._expert_part(self.gate_up_proj, self.down_proj, expert, part)
         if target is None:
             return
+        piece = self.shard_of_expert(expert, part)
+        if piece is not None and piece[0] == 0:  # the rank's rows (its columns come narrowed)
+            rows = narrowed(rows, piece, self.intermediate_size)
         if rows.dim() != 3 or rows.dtype != torch.uint8 or rows.shape[0] != target.shape[0]:
             raise ValueError(
                 f"expert {expert} {part}: blocks of shape {tuple(rows.shape)} ({rows.dtype}) "
@@ -195,7 +256,8 @@ class Experts(nn.Module):
         token_of = order // top_k
         rows = hidden.index_select(0, token_of)
         # another rank's experts leave zeros here (expert parallel)
-        out = torch.empty_like(rows) if self.group.size == 1 else torch.zeros_like(rows)
+        held = self.num_local == self.num_experts
+        out = torch.empty_like(rows) if held else torch.zeros_like(rows)
         start = 0
         for expert, count in enumerate(counts.tolist()):
             part = slice(start, start + count)
@@ -205,8 +267,8 @@ class Experts(nn.Module):
             gate_up = self._matmul(rows[part], "gate_up_proj", expert - self.first)
             out[part] = self._matmul(silu_and_mul(gate_up), "down_proj", expert - self.first)
         out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
-        summed = torch.zeros_like(hidden).index_add_(0, token_of, out)
-        return self.group.all_reduce(summed)
+        # this rank's share; over ranks SparseMoE sums the shares
+        return torch.zeros_like(hidden).index_add_(0, token_of, out)
 
     def _matmul(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
         """x times this rank's expert `expert`'s `name` weight: decode rows from its GGUF blocks or
@@ -223,20 +285,28 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """A layer's MoE MLP: the router, the routed experts, and `shared_experts` (a dense
-    MLP every token goes through, or None) added to their sum."""
+    MLP every token goes through, or None) added to their sum.
+
+    Over ranks each computes its share of the experts' (see Experts) and of the shared
+    expert's (a tensor-parallel MLP whose down projection leaves the sum to this layer),
+    summed in one all-reduce.
+    """
 
     def __init__(self, hidden_size: int, moe: MoEConfig, shared_experts: nn.Module | None):
         super().__init__()
         self.gate = TopKRouter(hidden_size, moe)
         self.experts = Experts(hidden_size, moe)
         self.shared_experts = shared_experts
+        self.group = tp_group()
+        if shared_experts is not None:
+            shared_experts.down_proj.reduce = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(hidden)
         out = self.experts(hidden, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden).to(out.dtype)
-        return out
+        return self.group.all_reduce(out.contiguous()) if self.group.size > 1 else out
 
 
 # a per-expert checkpoint tensor: `...mlp.experts.{e}.gate_proj.weight` (Mixtral's
@@ -253,11 +323,14 @@ class ExpertTensors:
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
         self.counts: Counter[str] = Counter()
 
-    def expert_of(self, name: str) -> tuple[Experts, int] | None:
-        """The layer and expert index of a per-expert tensor's name; None for others."""
+    def expert_of(self, name: str) -> tuple[Experts, int, str] | None:
+        """The layer, expert index and part (gate_proj, up_proj, down_proj) of a per-expert
+        tensor's name; None for others."""
         match = _EXPERT.match(name)
         layer = self.layers.get(match.group(1)) if match else None
-        return None if layer is None else (layer, int(match.group(2)))
+        if layer is None:
+            return None
+        return layer, int(match.group(2)), _MIXTRAL_PARTS.get(match.group(3), match.group(3))
 
     def load(self, name: str, tensor: torch.Tensor, blocks: bool = False) -> bool:
         """False if `name` is not a per-expert tensor; `blocks`: `tensor` is its GGUF

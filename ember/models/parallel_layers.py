@@ -4,7 +4,8 @@
   projection (QKV, gate/up) keeps its rank's rows, no communication;
   `ColumnParallelLinear` the same for a single projection (MLA's per-head ones);
 - `RowParallelLinear`: the input features split; each rank's partial product is summed
-  over the ranks (one all-reduce after o_proj and after down_proj per layer);
+  over the ranks (one all-reduce after o_proj and after down_proj per layer; a MoE
+  layer's shared expert leaves it to the layer, which sums it with the experts');
 - `VocabParallelEmbedding`: each rank holds a range of the vocabulary's rows, looks up
   the ids in it (zeros elsewhere), and the ranks' lookups are summed;
 - `ParallelLMHead`: each rank's logits over its vocabulary range, gathered side by side.
@@ -71,12 +72,14 @@ class RowParallelLinear(Linear):
         start, length = part
         super().__init__(length, out_features)
         self.group = group
+        # False: the caller sums the ranks' partial products (with others of its own)
+        self.reduce = True
         if group.size > 1:
             _shard_param(self.weight, (1, start, length), in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        if self.group.size == 1:
+        if self.group.size == 1 or not self.reduce:
             return y
         y = y.contiguous() if y.dtype == torch.float32 else y.float()
         return self.group.all_reduce(y)
