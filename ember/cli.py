@@ -137,7 +137,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--expert-parallel",
         action="store_true",
         help="with --tensor-parallel-size: split mixture-of-experts layers by expert (each "
-        "process a range of the experts) rather than refuse them",
+        "process a range of the experts, whole) rather than within each expert (each "
+        "process a share of every expert's width)",
     )
     parser.add_argument(
         "--max-num-seqs",

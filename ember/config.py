@@ -409,7 +409,8 @@ class EngineConfig:
     # KV cache gets what the weights leave (ModelRunner.kv_cache_budget)
     max_rank_memory: int | None = None
     # mixture-of-experts layers over those ranks by expert (each rank a range of the
-    # experts, every token routed on every rank, the experts' outputs summed over them)
+    # experts, whole) rather than within each expert (each rank a share of every
+    # expert's width); every token routed on every rank, the shares summed over them
     expert_parallel: bool = False
     # the model's layers over this many stages of tensor_parallel_size ranks each
     # (pipeline parallel): each stage a contiguous range of layers and their KV cache,
