@@ -141,6 +141,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "process a share of every expert's width)",
     )
     parser.add_argument(
+        "--data-parallel-attention",
+        action="store_true",
+        help="with --tensor-parallel-size N and a mixture-of-experts model: each process "
+        "holds the whole model but the experts and runs attention for its own sequences, "
+        "keeping only their KV cache (N times the sequences of MLA's latent cache); the "
+        "experts split as above",
+    )
+    parser.add_argument(
+        "--moe-dispatch",
+        choices=("auto", "all-gather", "all-to-all"),
+        default=d.moe_dispatch,
+        help="with --data-parallel-attention: how tokens reach the experts' processes "
+        "(all-to-all needs --expert-parallel) (default %(default)s: all-gather)",
+    )
+    parser.add_argument(
         "--max-num-seqs",
         type=int,
         default=d.max_num_seqs,
@@ -321,6 +336,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         expert_parallel=args.expert_parallel,
+        data_parallel_attention=args.data_parallel_attention,
+        moe_dispatch=args.moe_dispatch,
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -416,6 +416,16 @@ class EngineConfig:
     # (pipeline parallel): each stage a contiguous range of layers and their KV cache,
     # the first the embedding and head too; as many steps in flight as stages
     pipeline_parallel_size: int = 1
+    # attention data-parallel over the tensor_parallel_size ranks (a mixture-of-experts
+    # model): each rank holds the whole model but the experts (split as above) and runs
+    # its own sequences, whose KV only it keeps (MLA's latents once, not on every rank);
+    # each MoE layer brings every rank's tokens to the experts and back (moe_dispatch)
+    data_parallel_attention: bool = False
+    # how, under data_parallel_attention: "all-gather" (every rank every token, its share
+    # summed back by a reduce-scatter) or "all-to-all" (each token only to its experts'
+    # ranks; expert_parallel only); "auto": all-gather, the faster measured here
+    # (docs/benchmarks.md)
+    moe_dispatch: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -428,7 +438,7 @@ class EngineConfig:
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.max_rank_memory is not None:
             _positive("max_rank_memory", self.max_rank_memory)
-        if self.world_size > 1:
+        if self.world_size > 1 or self.data_parallel_attention:
             self._check_parallel()
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
@@ -523,6 +533,14 @@ class EngineConfig:
             )
 
     def _check_parallel(self) -> None:
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(
+                f"moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}; got {self.moe_dispatch!r}"
+            )
+        if self.data_parallel_attention:
+            _check_data_parallel_attention(self)
+        elif self.moe_dispatch != "auto":
+            raise ValueError("moe_dispatch applies to data_parallel_attention only")
         refused = _parallel_refusals(self)
         if refused:
             name = (
@@ -557,6 +575,32 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+MOE_DISPATCHES = ("auto", "all-gather", "all-to-all")
+
+
+def _check_data_parallel_attention(config: EngineConfig) -> None:
+    """What data-parallel attention needs and does not do yet (its KV lives on the rank
+    that runs each sequence: the KV connectors, which reach every rank's tensors for
+    the same blocks, do not apply; a pipeline or drafts over it are not built)."""
+    name = "data_parallel_attention"
+    if config.tensor_parallel_size < 2:
+        raise ValueError(f"{name} needs tensor_parallel_size >= 2 (the ranks it runs over)")
+    if config.moe_dispatch == "all-to-all" and not config.expert_parallel:
+        raise ValueError(
+            "moe_dispatch 'all-to-all' sends each token to its experts' ranks: it needs "
+            "expert_parallel (within-expert splits need every token on every rank)"
+        )
+    refused = []
+    if config.pipeline_parallel_size > 1:
+        refused.append(f"pipeline_parallel_size={config.pipeline_parallel_size}")
+    if config.moves_kv:
+        refused.append("KV connectors (kv_role prefill / decode, KV tiers)")
+    if config.speculative_method is not None:
+        refused.append(f"speculative_method {config.speculative_method!r}")
+    if refused:
+        raise ValueError(f"{name} does not work with {', '.join(refused)} yet")
 
 
 def _parallel_refusals(config: EngineConfig) -> list[str]:

@@ -1,6 +1,8 @@
 """Communication among the ranks of one worker (ember.distributed): the shared-memory
 all-reduce and all-gather give what Gloo gives, call after call, and leave nothing in
-/dev/shm. Two processes, spawned."""
+/dev/shm; so do the row collectives of data-parallel attention (rows gathered,
+reduce-scattered, sent rank to rank), through shared memory and through Gloo. Two
+processes, spawned."""
 
 from __future__ import annotations
 
@@ -93,3 +95,46 @@ def test_shared_memory_collectives_match_gloo_call_after_call(tmp_path):
     assert errors.empty(), errors.get()
     left = {n for n in set(os.listdir(shm_comm.SHM_DIR)) - before if n.startswith("ember-comm")}
     assert not left
+
+
+def _rows_worker(rank: int, store: str, errors) -> None:
+    try:
+        _init(rank, store)
+        shm = ShmCommunicator(max_bytes=64 << 10)
+        gloo = ShmCommunicator(max_bytes=64 << 10)
+        gloo.enabled = False  # torch.distributed (Gloo) for every call
+        call = 0
+        # rows per rank (none too), 24 floats a row; 700 x 24 x 4 bytes: over max_bytes
+        for counts in ([3, 5], [0, 4], [6, 0], [0, 0], [1, 1], [700, 2]):
+            for comm in (shm, gloo):
+                call += 1
+                parts = [_value(r, call, (counts[r], 24), torch.float32) for r in range(WORLD)]
+                got = comm.all_gather_rows(parts[rank], counts)
+                assert torch.equal(got, torch.cat(parts)), (counts, comm.enabled)
+                full = [_value(r, -call, (sum(counts), 24), torch.float32) for r in range(WORLD)]
+                start = sum(counts[:rank])
+                want = (full[0] + full[1])[start : start + counts[rank]]
+                got = comm.reduce_scatter_rows(full[rank].clone(), counts)
+                assert torch.equal(got, want), (counts, comm.enabled)
+                # rank s sends splits[s][d] rows to rank d
+                splits = [[counts[s] // 2, counts[s] - counts[s] // 2] for s in range(WORLD)]
+                max_rows = max(counts)
+                got, came = comm.all_to_all_rows(parts[rank], splits[rank], max_rows)
+                want = [parts[s][sum(splits[s][:rank]) : sum(splits[s][: rank + 1])]
+                        for s in range(WORLD)]  # fmt: skip
+                assert came == [len(w) for w in want], (counts, comm.enabled)
+                assert torch.equal(got, torch.cat(want)), (counts, comm.enabled)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def test_row_collectives_through_shared_memory_and_gloo(tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    mp.start_processes(
+        _rows_worker, args=(str(tmp_path / "store"), errors), nprocs=WORLD, start_method="spawn"
+    )
+    assert errors.empty(), errors.get()

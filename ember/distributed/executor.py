@@ -119,21 +119,33 @@ class Forward(msgspec.Struct, tag=True):
     decode_block_table: Tensor | None  # (the decode mask is made again from these two)
     decode_context_lens: Tensor | None
     prefills: list[Prefill]
+    # data-parallel attention: every rank's tokens this step (this Forward is its own)
+    rank_tokens: list[int] | None = None
 
 
 class Logits(msgspec.Struct, tag=True):
     hidden: Tensor
 
 
+class ExpertCounts(msgspec.Struct, tag=True):
+    """Asks a rank for its MoE layers' token counts (data-parallel attention: each rank
+    counts its own tokens); it answers with `Counts`."""
+
+
+class Counts(msgspec.Struct, tag=True):
+    rank: int
+    counts: list[list[int]]  # per MoE layer, tokens per expert
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-ToRank = AllocateKV | Forward | Logits | Stop
-FromRank = Hello | Ready | Failed
+ToRank = AllocateKV | Forward | Logits | ExpertCounts | Stop
+FromRank = Hello | Ready | Failed | Counts
 
 
-def encode_forward(input_ids, positions, meta) -> Forward:
+def encode_forward(input_ids, positions, meta, rank_tokens: list[int] | None = None) -> Forward:
     def opt(tensor):
         return None if tensor is None else Tensor.of(tensor)
 
@@ -144,7 +156,7 @@ def encode_forward(input_ids, positions, meta) -> Forward:
     return Forward(
         Tensor.of(input_ids), Tensor.of(positions), Tensor.of(meta.slot_mapping),
         meta.num_decodes, meta.num_decode_seqs, opt(meta.decode_block_table),
-        opt(meta.decode_context_lens), prefills,
+        opt(meta.decode_context_lens), prefills, rank_tokens,
     )  # fmt: skip
 
 
@@ -172,11 +184,11 @@ def decode_forward(message: Forward, device: torch.device, block_size: int):
     return message.input_ids.value().to(device), message.positions.value().to(device), meta
 
 
-def join_group(
-    rank: int, size: int, tp_size: int, store: str, expert_parallel: bool
-) -> tuple[TPGroup, PipelineStage]:
-    """Joins the process group of `size` ranks (stages of `tp_size` ranks each); this
-    rank's tensor-parallel group (its stage's ranks, over shared memory) and stage."""
+def join_group(rank: int, config: EngineConfig, store: str) -> tuple[TPGroup, PipelineStage]:
+    """Joins the process group of the config's ranks (stages of tensor_parallel_size ranks
+    each); this rank's tensor-parallel group (its stage's ranks, over shared memory) and
+    stage."""
+    size, tp_size = config.world_size, config.tensor_parallel_size
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=size, timeout=JOIN_TIMEOUT
     )
@@ -190,7 +202,9 @@ def join_group(
             for s in range(size // tp_size)
         ]
         comm = ShmCommunicator(groups[stage])
-    group = TPGroup(tp_rank, tp_size, comm, expert_parallel)
+    dispatch = "all-gather" if config.moe_dispatch == "auto" else config.moe_dispatch
+    group = TPGroup(tp_rank, tp_size, comm, config.expert_parallel,
+                    config.data_parallel_attention, dispatch)  # fmt: skip
     return group, PipelineStage(stage, size // tp_size, tp_rank, tp_size)
 
 
@@ -206,9 +220,8 @@ class MultiprocExecutor:
     """Ranks 1..size-1 of a model whose rank 0 is this process."""
 
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.config = config
         self.size = config.world_size
-        self.tp_size = config.tensor_parallel_size
-        self.expert_parallel = config.expert_parallel
         self._dir = tempfile.mkdtemp(prefix="ember-ranks-")
         self._context = zmq.Context()
         self._sockets: list[zmq.Socket] = []
@@ -246,9 +259,10 @@ class MultiprocExecutor:
         for rank in range(1, self.size):
             self._expect(rank, Hello)
         torch.set_num_threads(len(rank_cores(self.size, 0)))
-        group, stage = join_group(0, self.size, self.tp_size, self._store, self.expert_parallel)
+        group, stage = join_group(0, self.config, self._store)
         if group.comm is not None:
             group.comm.check = self.check
+        self.group = group
         return group, stage
 
     def wait_ready(self) -> None:
@@ -258,6 +272,11 @@ class MultiprocExecutor:
             self.rank_block_bytes.append(ready.kv_block_bytes)
             self.rank_weight_bytes.append(ready.weight_bytes)
             self.rank_kv_pieces.append(ready.kv_pieces)
+
+    def expert_counts(self) -> list[list[list[int]]]:
+        """Every other rank's MoE token counts (per layer, per expert), in rank order."""
+        self.send(ExpertCounts())
+        return [self._expect(rank, Counts).counts for rank in range(1, self.size)]
 
     def _expect(self, rank: int, kind: type) -> FromRank:
         socket = self._sockets[rank - 1]
@@ -276,10 +295,15 @@ class MultiprocExecutor:
 
     def send(self, message: ToRank) -> None:
         """Sends a call to every other rank (which then makes it with rank 0)."""
+        self.send_each([message] * (self.size - 1))
+
+    def send_each(self, messages: list[ToRank]) -> None:
+        """Sends rank r its call, messages[r - 1] (data-parallel attention: its inputs)."""
         if self.failure is not None:
             raise RankFailedError(self.failure)
-        frame = self._encoder.encode(message)
-        for socket in self._sockets:
+        frames = {id(m): self._encoder.encode(m) for m in messages}
+        for socket, message in zip(self._sockets, messages, strict=True):
+            frame = frames[id(message)]
             while True:  # a PAIR socket whose peer is gone blocks: look at the ranks
                 try:
                     socket.send(frame, zmq.NOBLOCK, copy=False)
@@ -386,11 +410,29 @@ class LeaderModel:
         out = torch.empty_like(hidden)
         return PendingHidden(sent, out, self.stage.irecv(out, self.stage.size - 1), self.executor)
 
+    def forward_ranks(self, inputs: list[tuple], kv_caches) -> torch.Tensor:
+        """Data-parallel attention: rank r runs inputs[r] (input ids, positions, metadata),
+        its own sequences; every rank's hidden states, in rank order."""
+        group = self.executor.group
+        group.rank_tokens = [len(ids) for ids, _, _ in inputs]
+        messages = [encode_forward(*x, rank_tokens=group.rank_tokens) for x in inputs[1:]]
+        ids, positions, meta = inputs[0]
+
+        def run():
+            return group.gather_rows(self.inner(ids, positions, kv_caches, meta))
+
+        return self._run(messages, run)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.executor.group.data_parallel_attention:  # the head is whole on rank 0
+            return self.inner.compute_logits(hidden)
         return self._run(Logits(Tensor.of(hidden)), self.inner.compute_logits, hidden)
 
-    def _run(self, message: ToRank, call, *args):
-        self.executor.send(message)
+    def _run(self, message: ToRank | list[ToRank], call, *args):
+        if isinstance(message, list):
+            self.executor.send_each(message)
+        else:
+            self.executor.send(message)
         try:
             return call(*args)
         except RankFailedError:

@@ -39,6 +39,14 @@ class TPGroup:
     # mixture-of-experts layers: each rank holds a range of the experts (expert parallel),
     # the rest of the model split as above
     expert_parallel: bool = False
+    # attention data-parallel: every rank holds the whole model but the experts (which
+    # split as above) and runs its own sequences; a MoE layer brings every rank's tokens
+    # to the experts (`moe_dispatch`: "all-gather" or "all-to-all") and back
+    data_parallel_attention: bool = False
+    moe_dispatch: str = "all-gather"
+    # under data_parallel_attention, each rank's tokens in the step being run (set before
+    # each forward; every rank knows every rank's)
+    rank_tokens: list[int] | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (in place; every rank gets the same bits)."""
@@ -57,6 +65,25 @@ class TPGroup:
             tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
         parts = self.comm.all_gather(tensor.contiguous()).view(self.size, -1, width)
         return torch.cat([parts[r, :, : widths[r]] for r in range(self.size)], dim=1)
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of this step (`rank_tokens`), in rank order."""
+        if self.size == 1:
+            return tensor
+        return self.comm.all_gather_rows(tensor.contiguous(), self.rank_tokens)
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `tensor` (every rank's rows of this step), this rank's rows."""
+        if self.size == 1:
+            return tensor
+        return self.comm.reduce_scatter_rows(tensor.contiguous(), self.rank_tokens)
+
+    def all_to_all_rows(
+        self, tensor: torch.Tensor, splits: list[int], max_rows: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Rows of `tensor` to each rank (`splits[d]` to rank d, in order); the rows every
+        rank sent here and how many each (see ShmCommunicator.all_to_all_rows)."""
+        return self.comm.all_to_all_rows(tensor.contiguous(), splits, max_rows)
 
 
 @dataclass
@@ -134,7 +161,13 @@ _stage = _ONE_STAGE
 
 
 def tp_group() -> TPGroup:
-    """The group the model being built is split over (one rank outside `building`)."""
+    """The group the model being built is split over (one rank outside `building`, and
+    under data-parallel attention, where only the experts split)."""
+    return _SINGLE if _current.data_parallel_attention else _current
+
+
+def expert_group() -> TPGroup:
+    """The group the model's experts split over."""
     return _current
 
 

@@ -46,9 +46,7 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
     torch.set_num_threads(args.threads)
     socket.send(encoder.encode(ex.Hello(rank)))
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
-    group, stage = ex.join_group(
-        rank, args.size, config.tensor_parallel_size, args.store, config.expert_parallel
-    )
+    group, stage = ex.join_group(rank, config, args.store)
     torch.manual_seed(config.seed)
     checkpoint = open_checkpoint(resolve_model(config.model))
     model_config = ModelConfig.from_hf(checkpoint.hf_config)
@@ -70,8 +68,13 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
                 if not stage.first:
                     hidden = torch.empty(len(ids), model_config.hidden_size, dtype=runner.dtype)
                     stage.recv(hidden, stage.stage - 1)
+                # data-parallel attention: its own sequences, every rank's token counts
+                group.rank_tokens = message.rank_tokens
                 # (its part of the collectives)
                 hidden = model(ids, positions, runner.kv_caches, meta, hidden)
+                if message.rank_tokens is not None:  # its hidden states to rank 0
+                    group.gather_rows(hidden)
+                    continue
                 if sent is not None:  # the step before's (Gloo's complete once waited on)
                     wait(sent)
                     sent = None
@@ -88,6 +91,9 @@ def serve(rank: int, args: argparse.Namespace, socket: zmq.Socket) -> None:
                 else:
                     offsets = message.rank_offsets[rank - 1]
                     runner.map_kv_cache(message.num_blocks, message.shm_path, offsets)
+            elif isinstance(message, ex.ExpertCounts):
+                counts = [counts for _, counts in runner.expert_tokens()]
+                socket.send(encoder.encode(ex.Counts(rank, counts)))
             elif isinstance(message, ex.Stop):
                 break
     runner.close()

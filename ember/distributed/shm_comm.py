@@ -103,19 +103,101 @@ class ShmCommunicator:
         self._done()
         return out
 
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's rows ([counts[r], ...] from rank r, every rank knowing `counts`),
+        concatenated in rank order."""
+        rest = tensor.shape[1:]
+        row = rest.numel()
+        sizes = [count * row for count in counts]
+        if not self._fits(max(sizes) * tensor.element_size(), tensor):
+            padded = tensor.new_zeros(max(counts), *rest)
+            padded[: len(tensor)] = tensor
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(parts, padded, group=self.group)
+            return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
+        parts = self._exchange(tensor, sizes)
+        out = torch.cat(parts).view(-1, *rest)
+        self._done()
+        return out
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The sum over ranks of `tensor` ([sum(counts), ...], the same shape on every
+        rank), of which this rank gets its rows: counts[rank] rows from sum(counts[:rank])."""
+        start, num = sum(counts[: self.rank]), counts[self.rank]
+        if not self._fast(tensor):
+            dist.all_reduce(tensor, group=self.group)
+            return tensor[start : start + num].clone()
+        row = tensor.shape[1:].numel()
+        parts = [part[start * row : (start + num) * row] for part in self._exchange(tensor)]
+        out = torch.add(parts[0], parts[1])  # in rank order, as all_reduce
+        for part in parts[2:]:
+            out.add_(part)
+        self._done()
+        return out.view(num, *tensor.shape[1:])
+
+    def all_to_all_rows(
+        self, tensor: torch.Tensor, splits: list[int], max_rows: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Sends rows [sum(splits[:d]), sum(splits[:d + 1])) of `tensor` to rank d; returns
+        the rows every rank sent this one, in rank order, and how many came from each.
+        `max_rows`: the most rows any rank sends (every rank passes the same), which
+        decides the path all ranks take."""
+        rest = tensor.shape[1:]
+        row = rest.numel()
+        header = 8 * self.world_size
+        if not self._fits(header + max_rows * row * tensor.element_size(), tensor):
+            return self._all_to_all_gloo(tensor, splits, max_rows)
+        self.num_calls += 1
+        call, rank = self.num_calls, self.rank
+        _wait(self._read, call - 1, self.check)
+        slot = self._slots[rank]
+        slot[:header].view(torch.int64).copy_(torch.tensor(splits, dtype=torch.int64))
+        data = tensor.reshape(-1).view(torch.uint8)
+        slot[header : header + len(data)].copy_(data)
+        self._written[rank] = call
+        _wait(self._written, call, self.check)
+        parts, counts = [], []
+        for source in range(self.world_size):
+            theirs = self._slots[source, :header].view(torch.int64).tolist()
+            first = header + sum(theirs[:rank]) * row * tensor.element_size()
+            num_bytes = theirs[rank] * row * tensor.element_size()
+            parts.append(self._slots[source, first : first + num_bytes].view(tensor.dtype))
+            counts.append(theirs[rank])
+        out = torch.cat(parts).view(-1, *rest)
+        self._done()
+        return out, counts
+
+    def _all_to_all_gloo(self, tensor, splits, max_rows):
+        """all_to_all_rows through torch.distributed: the counts, then every rank's rows
+        padded to `max_rows` (an all-gather: what any backend has)."""
+        counts = self.all_gather(torch.tensor(splits, dtype=torch.int64)).view(self.world_size, -1)
+        padded = tensor.new_zeros(max_rows, *tensor.shape[1:])
+        padded[: len(tensor)] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        mine = counts[:, self.rank].tolist()
+        starts = counts[:, : self.rank].sum(dim=1).tolist()
+        out = [part[a : a + n] for part, a, n in zip(parts, starts, mine, strict=True)]
+        return torch.cat(out), mine
+
+    def _fits(self, num_bytes: int, tensor: torch.Tensor) -> bool:
+        return self.enabled and tensor.device.type == "cpu" and num_bytes <= self.max_bytes
+
+    def _exchange(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> list[torch.Tensor]:
         """Writes `tensor` to this rank's slot; once every rank has, each rank's as views
-        (valid until `_done`)."""
+        (valid until `_done`): of as many elements as this rank's, or of `sizes[r]`."""
         self.num_calls += 1
         call, rank = self.num_calls, self.rank
         _wait(self._read, call - 1, self.check)  # the slots of the call before are free
-        num_bytes = tensor.numel() * tensor.element_size()
+        size = tensor.element_size()
+        num_bytes = tensor.numel() * size
         flat = tensor.reshape(-1)
         self._slots[rank, :num_bytes].copy_(flat.view(torch.uint8))
         self._written[rank] = call
         _wait(self._written, call, self.check)
+        sizes = sizes or [tensor.numel()] * self.world_size
         return [
-            self._slots[r, :num_bytes].view(tensor.dtype).view(-1) for r in range(self.world_size)
+            self._slots[r, : sizes[r] * size].view(tensor.dtype) for r in range(self.world_size)
         ]
 
     def _done(self) -> None:

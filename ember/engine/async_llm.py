@@ -118,6 +118,7 @@ class AsyncLLM:
             "tensor_parallel_size": config.tensor_parallel_size,
             "pipeline_parallel_size": config.pipeline_parallel_size,
             "expert_parallel": config.expert_parallel,
+            "data_parallel_attention": config.data_parallel_attention,
         }
         self.kv_store = config.kv_store  # the cluster tier it shares, if any
         self.client = core  # loads the model while we load the tokenizer

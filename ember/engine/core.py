@@ -47,8 +47,10 @@ class EngineCore:
         self.runner = ModelRunner(config, model_config, checkpoint, self.max_model_len)
         try:
             num_blocks = self._allocate_kv_cache()
+            # data-parallel attention: a pool per rank, each rank's sequences in its own
+            ranks = config.tensor_parallel_size if config.data_parallel_attention else 1
             self.kv_cache = KVCacheManager(
-                num_blocks, config.block_size, config.enable_prefix_caching
+                num_blocks, config.block_size, config.enable_prefix_caching, ranks
             )
             self.connector = self._make_connector(config)
         except BaseException:

@@ -131,35 +131,60 @@ class KVCacheManager:
     Called by the scheduler only: `get_computed_blocks` when admitting a request,
     `allocate_slots` before each step that computes its tokens, `free` when it finishes,
     is aborted or preempted.
+
+    With `num_ranks` > 1 (data-parallel attention) each rank has a pool of `num_blocks`
+    of its own, and a request's blocks all come from the pool of the rank that runs it
+    (its `rank`, block ids that rank's): chosen when it is admitted, as the rank with the
+    longest cached prefix of its prompt, then the most free blocks; kept until it is
+    freed (a preempted request may go to another rank when admitted again).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_ranks: int = 1
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pools = [BlockPool(num_blocks) for _ in range(num_ranks)]
         self.req_block_ids: dict[str, list[int]] = {}  # each request's block table
+        self.req_rank: dict[str, int] = {}  # the rank whose pool holds a request's blocks
+        self._chosen: dict[str, int] = {}  # get_computed_blocks' choice, until allocated
         self.num_hashed_blocks: dict[str, int] = {}
         self.held: dict[str, list[int]] = {}  # finished prefills' blocks kept for a transfer
         self.stats = PrefixCacheStats()
 
     @property
+    def pool(self) -> BlockPool:
+        """The pool (of rank 0, the only one without data-parallel attention)."""
+        return self.pools[0]
+
+    @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return sum(pool.num_blocks for pool in self.pools)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return sum(pool.num_free_blocks for pool in self.pools)
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the manager's own list: read it, don't change it)."""
         return self.req_block_ids.get(request_id, [])
 
+    def rank(self, request: Request) -> int:
+        """The rank whose pool holds (or will hold) the request's blocks."""
+        rank = self.req_rank.get(request.request_id)
+        if rank is None:
+            rank = self._chosen.get(request.request_id)
+        if rank is None:
+            rank = max(range(len(self.pools)), key=lambda r: self.pools[r].num_free_blocks)
+        return rank
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of a request's tokens, as blocks and a token count.
+        """The longest cached prefix of a request's tokens, as blocks and a token count
+        (over ranks: on the rank chosen for it, see the class).
 
         At least one token is always left to compute, so the step yields logits.
         """
@@ -167,13 +192,24 @@ class KVCacheManager:
             return [], 0
         self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.request_id in self.req_rank or len(self.pools) == 1:
+            hits = self._hits(self.pools[self.rank(request)], request, max_blocks)
+            return hits, len(hits) * self.block_size
+        ranks = [(len(self._hits(pool, request, max_blocks)), pool.num_free_blocks, -r)
+                 for r, pool in enumerate(self.pools)]  # fmt: skip
+        rank = -max(ranks)[2]
+        self._chosen[request.request_id] = rank
+        hits = self._hits(self.pools[rank], request, max_blocks)
+        return hits, len(hits) * self.block_size
+
+    def _hits(self, pool: BlockPool, request: Request, max_blocks: int) -> list[KVCacheBlock]:
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
+            block = pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Counts a request's prompt in the prefix-cache stats, once, when first admitted."""
@@ -198,15 +234,20 @@ class KVCacheManager:
         is written this step but may be rejected, so no block is cached for them.
         """
         ids = self.req_block_ids.get(request.request_id, [])
+        rank = self.rank(request)
+        pool = self.pools[rank]
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         num_slots = num_total + num_lookahead
         num_needed = -(-num_slots // self.block_size) - len(ids) - len(computed_blocks)
         num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+        if num_needed > pool.num_free_blocks - num_reclaimed:
+            self._chosen.pop(request.request_id, None)  # chosen again when next admitted
             return None
-        self.pool.touch(computed_blocks)
-        new_blocks = self.pool.allocate(max(num_needed, 0))
+        pool.touch(computed_blocks)
+        new_blocks = pool.allocate(max(num_needed, 0))
+        self._chosen.pop(request.request_id, None)
+        self.req_rank[request.request_id] = rank
         ids = self.req_block_ids.setdefault(request.request_id, ids)
         ids.extend(b.block_id for b in computed_blocks)
         ids.extend(b.block_id for b in new_blocks)
@@ -220,8 +261,10 @@ class KVCacheManager:
             self._cache_full_blocks(request, self.req_block_ids[request.request_id], num_tokens)
 
     def hold(self, request: Request, key: str) -> None:
-        """Keeps a finished request's blocks under `key` (for a transfer) instead of freeing."""
+        """Keeps a finished request's blocks under `key` (for a transfer) instead of freeing
+        (one rank's pool: KV connectors do not run with data-parallel attention)."""
         self.num_hashed_blocks.pop(request.request_id, None)
+        self.req_rank.pop(request.request_id, None)
         self.held[key] = self.req_block_ids.pop(request.request_id, [])
 
     def release_held(self, key: str) -> None:
@@ -232,25 +275,32 @@ class KVCacheManager:
         """Returns all of a request's blocks; the last ones are evicted first."""
         ids = self.req_block_ids.pop(request.request_id, [])
         self.num_hashed_blocks.pop(request.request_id, None)
-        self.pool.free([self.pool.blocks[i] for i in reversed(ids)])
+        self._chosen.pop(request.request_id, None)
+        pool = self.pools[self.req_rank.pop(request.request_id, 0)]
+        pool.free([pool.blocks[i] for i in reversed(ids)])
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; only possible while no block is in use."""
-        if self.pool.num_free_blocks != self.pool.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
-        for block in self.pool.blocks:
-            block.block_hash = None
-        self.pool.cached.clear()
+        for pool in self.pools:
+            for block in pool.blocks:
+                block.block_hash = None
+            pool.cached.clear()
         return True
 
     def check_integrity(self) -> bool:
-        self.pool.check_integrity()
-        refs = [0] * self.pool.num_blocks
-        for ids in [*self.req_block_ids.values(), *self.held.values()]:
+        refs = [[0] * pool.num_blocks for pool in self.pools]
+        for request_id, ids in self.req_block_ids.items():
             for block_id in ids:
-                refs[block_id] += 1
-        for block in self.pool.blocks:
-            assert refs[block.block_id] == block.ref_cnt, f"block {block.block_id} ref_cnt"
+                refs[self.req_rank.get(request_id, 0)][block_id] += 1
+        for ids in self.held.values():
+            for block_id in ids:
+                refs[0][block_id] += 1
+        for pool, counts in zip(self.pools, refs, strict=True):
+            pool.check_integrity()
+            for block in pool.blocks:
+                assert counts[block.block_id] == block.ref_cnt, f"block {block.block_id} ref_cnt"
         return True
 
     def update_hashes(self, request: Request) -> None:
@@ -270,6 +320,7 @@ class KVCacheManager:
         if end <= start:
             return
         self.update_hashes(request)
+        pool = self.pools[self.req_rank.get(request.request_id, 0)]
         for i in range(start, end):
-            self.pool.cache(self.pool.blocks[block_ids[i]], request.block_hashes[i])
+            pool.cache(pool.blocks[block_ids[i]], request.block_hashes[i])
         self.num_hashed_blocks[request.request_id] = end

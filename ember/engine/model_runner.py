@@ -207,8 +207,13 @@ class ModelRunner:
         return False
 
     def expert_tokens(self) -> list[tuple[int, list[int]]]:
-        """(layer, tokens routed to each expert since start) for every MoE layer."""
-        return [(i, moe.experts.tokens_per_expert.tolist()) for i, moe in self.moe_layers]
+        """(layer, tokens routed to each expert since start) for every MoE layer (summed
+        over the ranks under data-parallel attention, where each counts its own)."""
+        counts = [moe.experts.tokens_per_expert.tolist() for _, moe in self.moe_layers]
+        if self.executor is not None and self.group.data_parallel_attention:
+            for rank in self.executor.expert_counts():
+                counts = [[a + b for a, b in zip(x, y, strict=True)] for x, y in zip(counts, rank, strict=True)]  # fmt: skip
+        return [(i, layer) for (i, _), layer in zip(self.moe_layers, counts, strict=True)]
 
     # -- KV cache -----------------------------------------------------------------------
 
@@ -317,12 +322,30 @@ class ModelRunner:
     def submit(self, out: SchedulerOutput) -> PendingStep:
         """Starts a step: its forward pass, or under pipeline parallelism the first
         stage's part of it (the other stages go on while this process starts the next)."""
+        if self.group.data_parallel_attention:
+            return self._submit_ranks(out)
         batch = [s for s in out.scheduled if s.num_new_tokens == 1]
         num_decodes = len(batch)
         batch += [s for s in out.scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta, sample_idx = self._prepare(batch, num_decodes)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return PendingStep(batch, hidden, sample_idx)
+
+    def _submit_ranks(self, out: SchedulerOutput) -> PendingStep:
+        """Data-parallel attention: each rank runs its own requests (ScheduledRequest.rank),
+        in their blocks of its pool; the batch in rank order, as the hidden states come."""
+        batch, inputs, samples, num_rows = [], [], [], 0
+        for rank in range(self.group.size):
+            mine = [s for s in out.scheduled if s.rank == rank]
+            decodes = [s for s in mine if s.num_new_tokens == 1]
+            part = decodes + [s for s in mine if s.num_new_tokens > 1]
+            input_ids, positions, meta, sample_idx = self._prepare(part, len(decodes))
+            inputs.append((input_ids, positions, meta))
+            samples.append(sample_idx + num_rows)
+            num_rows += len(input_ids)
+            batch += part
+        hidden = self.model.forward_ranks(inputs, self.kv_caches)
+        return PendingStep(batch, hidden, torch.cat(samples))
 
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> StepOutput:
@@ -445,7 +468,12 @@ def batch_inputs(decodes: list[Rows], prefills: list[Rows], block_size: int, dev
     )
     positions_t = torch.cat([torch.tensor(positions, dtype=torch.long), *prefill_pos])
     ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-    return ids, positions_t.to(device), meta, torch.tensor(sample_idx, device=device)
+    return (
+        ids,
+        positions_t.to(device),
+        meta,
+        torch.tensor(sample_idx, dtype=torch.long, device=device),
+    )
 
 
 def _decode_tables(rows: list[tuple[list[int], int]], block_size: int, device):
@@ -559,6 +587,21 @@ def check_parallel(
         raise ValueError(f"{name}: only CPU ranks (Gloo) are supported yet")
     if not hasattr(model_cls, "shard_of"):
         raise ValueError(f"{name}: {model_cls.__name__} cannot be split over ranks yet")
+    if config.data_parallel_attention:  # only the experts split
+        if model_config.moe is None:
+            raise ValueError(
+                f"data_parallel_attention: {model_config.architecture} has no mixture-of-"
+                "experts layers to share over the ranks; use tensor_parallel_size alone"
+            )
+    else:
+        _check_head_split(config, model_config, model_cls)
+    if config.world_size > len(os.sched_getaffinity(0)):
+        logger.warning("%d ranks: more ranks than cores", config.world_size)
+
+
+def _check_head_split(config: EngineConfig, model_config: ModelConfig, model_cls: type) -> None:
+    """Refuses a split of the heads or layers the model cannot take."""
+    size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if size > model_config.num_attention_heads:
         raise ValueError(
             f"tensor_parallel_size={size}: the model has only "
@@ -572,5 +615,3 @@ def check_parallel(
     for rank in range(size):  # every rank's heads split as the model needs
         with building(TPGroup(rank, size)):
             model_cls.kv_cache_spec(model_config)
-    if config.world_size > len(os.sched_getaffinity(0)):
-        logger.warning("%d ranks: more ranks than cores", config.world_size)

@@ -46,6 +46,8 @@ class ScheduledRequest:
     # scheduled, and the tokens of its steps still in flight (pipeline parallel: a
     # prompt's next chunk goes while its last is in a later stage)
     start: int = -1
+    # the rank whose KV pool holds its blocks (data-parallel attention: the rank that runs it)
+    rank: int = 0
     # whether this step reaches the end of the known tokens, so that it yields a token
     samples: bool = field(init=False)
 
@@ -246,7 +248,7 @@ class Scheduler:
                     if busy:  # the steps in flight may free blocks: wait, preempt nothing
                         out.blocked = True
                         return
-                    victim = self.running.pop()
+                    victim = self._victim(request)
                     self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is request:
@@ -254,9 +256,20 @@ class Scheduler:
             budget.num_tokens -= len(spec)
             block_ids = self.kv_cache.block_ids(request.request_id)
             start = request.num_computed_tokens + in_flight
-            sched = ScheduledRequest(request, num_new, block_ids, list(spec), start)
+            rank = self.kv_cache.rank(request)
+            sched = ScheduledRequest(request, num_new, block_ids, list(spec), start, rank)
             out.scheduled.append(sched)
             i += 1
+
+    def _victim(self, request: Request) -> Request:
+        """The request to preempt for `request`'s blocks: the last running one whose blocks
+        are in the same pool (there is one rank's pool without data-parallel attention;
+        `request` itself when no other is)."""
+        rank = self.kv_cache.rank(request)
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.kv_cache.rank(self.running[i]) == rank:
+                return self.running.pop(i)
+        raise AssertionError("a running request is not in the running list")
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget, limit: int) -> None:
         deferred: list[Request] = []
@@ -291,9 +304,9 @@ class Scheduler:
             self._admit(request, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(
-                ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
-            )
+            block_ids = self.kv_cache.block_ids(request.request_id)
+            rank = self.kv_cache.rank(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids, rank=rank))
         self.waiting.extendleft(reversed(deferred))
 
     @property

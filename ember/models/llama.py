@@ -206,6 +206,11 @@ class LlamaModel(nn.Module):
         `hidden`: the previous stage's, which a later stage starts from."""
         if hidden is None:
             hidden = self.embed_tokens(input_ids).to(self.dtype)
+        if not len(hidden):  # data-parallel attention: this rank has no sequence this step
+            for layer in self.local_layers:  # but its experts serve the other ranks'
+                if isinstance(layer.mlp, SparseMoE):
+                    layer.mlp(hidden)
+            return hidden
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         self.captured = []
         # else bf16, in the layers below; drafts' rows run as their sequence's decode would

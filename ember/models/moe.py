@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import MoEConfig
-from ember.distributed.parallel import SKIP, split, tp_group
+from ember.distributed.parallel import SKIP, expert_group, split
 from ember.models.layers import (
     BLOCK_GEMM_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,
@@ -97,7 +97,7 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = moe.num_experts
         self.intermediate_size = moe.intermediate_size
-        self.group = group = tp_group()
+        self.group = group = expert_group()
         by_expert = group.expert_parallel or group.size == 1
         self.first, self.num_local = split(moe.num_experts, group.size, group.rank)
         self.inter_start, self.inter_size = 0, moe.intermediate_size
@@ -117,6 +117,15 @@ class Experts(nn.Module):
         self.blocks: dict[str, torch.Tensor | None] = {"gate_up_proj": None, "down_proj": None}
         self.block_gemm = None
         self._block_parts: dict[tuple[str, int], torch.Tensor] = {}
+        # the rank that holds each expert
+        owner = [
+            r for r in range(group.size) for _ in range(split(self.num_experts, group.size, r)[1])
+        ]
+        self.register_buffer(
+            "owner",
+            torch.tensor(owner if by_expert else [0] * self.num_experts, dtype=torch.long),
+            persistent=False,
+        )
         # tokens routed to each expert since start (expert-load statistics)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
@@ -252,7 +261,6 @@ class Experts(nn.Module):
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        self.tokens_per_expert += counts.to(self.tokens_per_expert.device)
         token_of = order // top_k
         rows = hidden.index_select(0, token_of)
         # another rank's experts leave zeros here (expert parallel)
@@ -290,6 +298,18 @@ class SparseMoE(nn.Module):
     Over ranks each computes its share of the experts' (see Experts) and of the shared
     expert's (a tensor-parallel MLP whose down projection leaves the sum to this layer),
     summed in one all-reduce.
+
+    Under data-parallel attention each rank comes with its own tokens (the group's
+    `rank_tokens` of them; none at all is a rank's share too: it still serves the
+    others' tokens) and holds the shared expert whole. The routed experts get every
+    rank's tokens one of two ways (`moe_dispatch`):
+    - "all-gather": every rank gathers every rank's tokens, routes them all, runs its
+      share of the experts on them, and a reduce-scatter sums the shares and hands each
+      rank its own tokens' rows;
+    - "all-to-all" (expert parallel only): each rank routes its own tokens and sends
+      each token once to every rank that holds one of its chosen experts, with its
+      expert ids and weights; that rank runs those of its experts and sends back the
+      token's weighted sum, which the token's rank adds up.
     """
 
     def __init__(self, hidden_size: int, moe: MoEConfig, shared_experts: nn.Module | None):
@@ -297,16 +317,55 @@ class SparseMoE(nn.Module):
         self.gate = TopKRouter(hidden_size, moe)
         self.experts = Experts(hidden_size, moe)
         self.shared_experts = shared_experts
-        self.group = tp_group()
+        self.group = expert_group()
+        self.top_k = moe.top_k
         if shared_experts is not None:
             shared_experts.down_proj.reduce = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(hidden)
-        out = self.experts(hidden, weights, ids)
-        if self.shared_experts is not None:
+        group = self.group
+        if group.data_parallel_attention:
+            out = self._data_parallel(hidden)
+        else:
+            weights, ids = self.gate(hidden)
+            self._count(ids)
+            out = self.experts(hidden, weights, ids)
+        if self.shared_experts is not None and len(hidden):
             out = out + self.shared_experts(hidden).to(out.dtype)
-        return self.group.all_reduce(out.contiguous()) if self.group.size > 1 else out
+        if group.size > 1 and not group.data_parallel_attention:
+            return group.all_reduce(out.contiguous())
+        return out
+
+    def _count(self, ids: torch.Tensor) -> None:
+        """Counts tokens' experts in the statistics (over ranks of data-parallel
+        attention, each rank its own tokens)."""
+        counts = torch.bincount(ids.flatten(), minlength=self.experts.num_experts)
+        self.experts.tokens_per_expert += counts.to(self.experts.tokens_per_expert.device)
+
+    def _data_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
+        group, experts = self.group, self.experts
+        if group.moe_dispatch == "all-gather":
+            every = group.gather_rows(hidden)
+            weights, ids = self.gate(every)
+            start = sum(group.rank_tokens[: group.rank])
+            self._count(ids[start : start + len(hidden)])
+            return group.reduce_scatter_rows(experts(every, weights, ids))
+        weights, ids = self.gate(hidden)
+        self._count(ids)
+        # each token to every rank that holds one of its experts: its rows, then its
+        # expert ids and weights as columns (ids are exact in fp32)
+        goes = torch.zeros(len(hidden), group.size, dtype=torch.bool, device=hidden.device)
+        goes.scatter_(1, experts.owner[ids], True)
+        rank_of, token_of = goes.t().nonzero(as_tuple=True)  # grouped by rank
+        splits = torch.bincount(rank_of, minlength=group.size).tolist()
+        rows = torch.cat([hidden.float(), ids.float(), weights.float()], dim=1)
+        max_rows = max(group.rank_tokens) * group.size  # a token goes to each rank once
+        got, counts = group.all_to_all_rows(rows.index_select(0, token_of), splits, max_rows)
+        width, k = hidden.shape[1], self.top_k
+        # another rank's experts among a token's leave zeros (Experts.forward)
+        out = experts(got[:, :width], got[:, width + k :], got[:, width : width + k].long())
+        back, _ = group.all_to_all_rows(out.to(hidden.dtype), counts, max_rows)
+        return torch.zeros_like(hidden).index_add_(0, token_of, back)
 
 
 # a per-expert checkpoint tensor: `...mlp.experts.{e}.gate_proj.weight` (Mixtral's
