@@ -4,6 +4,7 @@ tokens per second, the share of rank 0's step spent in collectives, and each ran
     python benchmarks/tensor_parallel.py [--model smollm2-135m] [--batch 1 4] [--tokens 64]
     python benchmarks/tensor_parallel.py --moe DIR   # a random ~2 GB Qwen3-MoE, EP=2, TP=2
     python benchmarks/tensor_parallel.py --pipeline --batch 4 8   # PP=2, 1 or 2 steps in flight
+    python benchmarks/tensor_parallel.py --moe DIR --data-parallel-attention --batch 2 8
 
 `--pipeline` runs PP=2 (one core per stage) instead of TP=2, once with a step at a time
 (EMBER_PIPELINE_STEPS_IN_FLIGHT=1: the stages take turns) and once with two steps in
@@ -14,7 +15,11 @@ for the last stage's hidden states.
 
 `--moe DIR` builds (once) a random-init Qwen3-MoE of about 2 GB in DIR (8 layers of 32
 experts, 8 a token) and runs two ranks twice: experts split by expert (EP=2) and each
-expert's width split (TP=2, tensor parallel within the experts).
+expert's width split (TP=2, tensor parallel within the experts). With
+`--data-parallel-attention` it runs EP=2 with attention split by head, then attention
+data-parallel (each rank its own sequences) with the experts reached by all-gather +
+reduce-scatter and by all-to-all, and with each expert's width split (all-gather); "in
+coll." then counts the row collectives too.
 
 Each configuration runs in a fresh process (peak RSS of its own): TP=1 on one thread,
 TP=1 on as many threads as TP=2 has cores, TP=2 with one core per rank. Per batch size:
@@ -51,7 +56,9 @@ def run_one(args: argparse.Namespace) -> dict:
     comm_s = [0.0]
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
               max_model_len=1024, kv_cache_memory=256 << 20, max_step_ms=0,
-              expert_parallel=args.expert_parallel)  # fmt: skip
+              expert_parallel=args.expert_parallel,
+              data_parallel_attention=args.dispatch is not None,
+              moe_dispatch=args.dispatch or "auto")  # fmt: skip
     runner = llm.engine.core.runner
     if args.pp > 1:
         from ember.distributed.executor import PendingHidden
@@ -67,12 +74,14 @@ def run_one(args: argparse.Namespace) -> dict:
         PendingHidden.result = waited
     elif args.tp > 1:
         comm = runner.group.comm
-        for name in ("all_reduce", "all_gather"):
+        names = ("all_reduce", "all_gather", "all_gather_rows", "reduce_scatter_rows",
+                 "all_to_all_rows")  # fmt: skip
+        for name in names:
             call = getattr(comm, name)
 
-            def timed(tensor, call=call):
+            def timed(*tensors, call=call):
                 start = time.perf_counter()
-                out = call(tensor)
+                out = call(*tensors)
                 comm_s[0] += time.perf_counter() - start
                 return out
 
@@ -137,6 +146,12 @@ def main() -> None:
     parser.add_argument("--moe", default=None, help="build and run a random MoE in this dir")
     parser.add_argument("--expert-parallel", action="store_true", help="(internal)")
     parser.add_argument("--token-ids", action="store_true", help="(internal) prompts as ids")
+    parser.add_argument(
+        "--data-parallel-attention",
+        action="store_true",
+        help="with --moe: attention data-parallel, each MoE dispatch",
+    )
+    parser.add_argument("--dispatch", default=None, help="(internal) moe_dispatch")  # fmt: skip
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--pipeline", action="store_true", help="PP=2 instead of TP=2")
@@ -150,22 +165,26 @@ def main() -> None:
     if args.moe is not None:
         args.model = build_moe(args.moe)
     cores = len(os.sched_getaffinity(0))
-    # (tp, pp, threads per rank, steps in flight, expert parallel)
-    configs = [(1, 1, 1, None, False), (1, 1, min(2, cores), None, False)]
+    # (tp, pp, threads per rank, steps in flight, expert parallel, data-parallel dispatch)
+    configs = [(1, 1, 1, None, False, None), (1, 1, min(2, cores), None, False, None)]
     if args.pipeline:
-        configs += [(1, 2, 1, 1, False), (1, 2, 1, 2, False)]
+        configs += [(1, 2, 1, 1, False, None), (1, 2, 1, 2, False, None)]
+    elif args.data_parallel_attention:
+        configs += [(2, 1, 1, None, True, None), (2, 1, 1, None, True, "all-gather"),
+                    (2, 1, 1, None, True, "all-to-all"), (2, 1, 1, None, False, "all-gather")]  # fmt: skip
     else:
-        configs += [(2, 1, 1, None, True)] if args.moe is not None else []
-        configs += [(2, 1, 1, None, False)]
+        configs += [(2, 1, 1, None, True, None)] if args.moe is not None else []
+        configs += [(2, 1, 1, None, False, None)]
     print(f"model {args.model}, {args.tokens} new tokens, {cores} cores")
-    print(f"{'config':<22} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'in coll.':>8}  "
+    print(f"{'config':<30} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'in coll.':>8}  "
           "peak RSS MB per rank / weights MB")  # fmt: skip
-    for tp, pp, threads, in_flight, by_expert in configs:
+    for tp, pp, threads, in_flight, by_expert, dispatch in configs:
         command = [sys.executable, __file__, "--model", args.model, "--tp", str(tp),
                    "--pp", str(pp), "--threads", str(threads), "--tokens", str(args.tokens),
                    "--batch", *map(str, args.batch)]  # fmt: skip
         command += ["--token-ids"] if args.moe is not None else []
         command += ["--expert-parallel"] if by_expert else []
+        command += ["--dispatch", dispatch] if dispatch else []
         env = dict(os.environ)
         if in_flight is not None:
             env["EMBER_PIPELINE_STEPS_IN_FLIGHT"] = str(in_flight)
@@ -176,10 +195,12 @@ def main() -> None:
         else:
             kind = "EP" if by_expert else "TP"
             name = f"{kind}={tp} ({threads} thr{'/rank' if tp > 1 else ''})"
+            if dispatch:
+                name = f"DP-attn {kind}={tp} {dispatch}"
         for batch, row in result["batches"].items():
             rss = " ".join(f"{mb:.0f}" for mb in result["peak_rss_mb"])
             weights = " ".join(f"{mb:.0f}" for mb in result["weight_mb"])
-            print(f"{name:<22} {batch:>5} {row['tok_s']:>8.1f} {row['step_ms']:>8.2f} "
+            print(f"{name:<30} {batch:>5} {row['tok_s']:>8.1f} {row['step_ms']:>8.2f} "
                   f"{row['comm_share']:>8.0%}  {rss} / {weights}", flush=True)  # fmt: skip
 
 

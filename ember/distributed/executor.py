@@ -14,6 +14,11 @@ stage's; it sends the residual stream on to the next stage (torch.distributed is
 returns a `PendingHidden` for the last stage's, which arrives while rank 0 starts the
 next step. Logits calls go to the first stage only (it holds the head).
 
+Data-parallel attention: each rank gets a Forward of its own sequences' inputs (with
+every rank's token count), and the hidden states of all come back to rank 0 in one
+gather of rows (`LeaderModel.forward_ranks`); logits are rank 0's alone (the head is
+whole on every rank), and `ExpertCounts` asks the ranks for their MoE token counts.
+
 Messages are msgspec structs over a ZeroMQ PAIR socket per rank (ipc, in a private
 directory): `Hello` (imports done) -> every rank joins the process group -> `Ready`
 (model loaded: its KV block bytes, weight bytes and what its KV tensors hold) or

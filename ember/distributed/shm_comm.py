@@ -14,6 +14,14 @@ A rank's counter stores follow its slot's stores, and the other ranks see them i
 order on x86-64 (stores are not reordered with stores); other CPUs use Gloo for all.
 Tensors that are not on the CPU, not contiguous, or larger than `max_bytes` go to
 `torch.distributed` over the group (Gloo on CPU, the fallback and the multi-host path).
+
+Data-parallel attention's row collectives use the same slots, each rank writing rows of
+its own count: `all_gather_rows` (every rank knows every rank's count), and
+`reduce_scatter_rows` (each rank sums, in rank order, only its own rows of every slot);
+`all_to_all_rows` puts the rows it sends each rank in its slot behind a header of the
+counts, and each rank reads its part of every slot. Whether a call fits the slots is
+decided from figures every rank has (the counts, or the most rows any rank sends), so
+that all ranks take the same path.
 """
 
 from __future__ import annotations

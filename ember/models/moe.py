@@ -352,20 +352,41 @@ class SparseMoE(nn.Module):
             return group.reduce_scatter_rows(experts(every, weights, ids))
         weights, ids = self.gate(hidden)
         self._count(ids)
-        # each token to every rank that holds one of its experts: its rows, then its
-        # expert ids and weights as columns (ids are exact in fp32)
-        goes = torch.zeros(len(hidden), group.size, dtype=torch.bool, device=hidden.device)
-        goes.scatter_(1, experts.owner[ids], True)
-        rank_of, token_of = goes.t().nonzero(as_tuple=True)  # grouped by rank
-        splits = torch.bincount(rank_of, minlength=group.size).tolist()
-        rows = torch.cat([hidden.float(), ids.float(), weights.float()], dim=1)
-        max_rows = max(group.rank_tokens) * group.size  # a token goes to each rank once
-        got, counts = group.all_to_all_rows(rows.index_select(0, token_of), splits, max_rows)
-        width, k = hidden.shape[1], self.top_k
+        sent = send_to_experts(group, hidden, weights, ids, experts.owner)
         # another rank's experts among a token's leave zeros (Experts.forward)
-        out = experts(got[:, :width], got[:, width + k :], got[:, width : width + k].long())
-        back, _ = group.all_to_all_rows(out.to(hidden.dtype), counts, max_rows)
-        return torch.zeros_like(hidden).index_add_(0, token_of, back)
+        out = experts(sent.hidden, sent.weights, sent.ids)
+        return sent.combine(out)
+
+
+class SentTokens:
+    """Tokens sent to their experts' ranks (all-to-all), as one rank received them."""
+
+    def __init__(self, group, got, counts, token_of, max_rows, like, top_k):
+        self.group, self.counts, self.token_of, self.max_rows = group, counts, token_of, max_rows
+        self.like = like  # this rank's own hidden states (shape, dtype)
+        width = like.shape[1]
+        self.hidden = got[:, :width]
+        self.ids = got[:, width : width + top_k].long()
+        self.weights = got[:, width + top_k :]
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """Each received token's result back to its rank, which sums its tokens' results."""
+        back, _ = self.group.all_to_all_rows(out.to(self.like.dtype), self.counts, self.max_rows)
+        return torch.zeros_like(self.like).index_add_(0, self.token_of, back)
+
+
+def send_to_experts(group, hidden, weights, ids, owner) -> SentTokens:
+    """Sends each of this rank's tokens once to every rank that holds one of its experts
+    (`owner[e]`: expert e's rank): its hidden row, then its expert ids and weights as
+    columns (ids are exact in fp32)."""
+    goes = torch.zeros(len(hidden), group.size, dtype=torch.bool, device=hidden.device)
+    goes.scatter_(1, owner[ids], True)
+    rank_of, token_of = goes.t().nonzero(as_tuple=True)  # grouped by rank
+    splits = torch.bincount(rank_of, minlength=group.size).tolist()
+    rows = torch.cat([hidden.float(), ids.float(), weights.float()], dim=1)
+    max_rows = max(group.rank_tokens) * group.size  # a token goes to each rank once
+    got, counts = group.all_to_all_rows(rows.index_select(0, token_of), splits, max_rows)
+    return SentTokens(group, got, counts, token_of, max_rows, hidden, ids.shape[1])
 
 
 # a per-expert checkpoint tensor: `...mlp.experts.{e}.gate_proj.weight` (Mixtral's
