@@ -110,3 +110,41 @@ def test_what_it_does_not_do_is_refused(options: dict, named: str) -> None:
 def test_a_dense_model_is_refused_before_ranks_start(tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match="no mixture-of-experts layers"):
         LLM(str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20, **DP)
+
+
+def test_serve_with_attention_data_parallel(tiny_checkpoint) -> None:
+    """`ember serve -tp 2 --data-parallel-attention --expert-parallel`: concurrent
+    completions answer as one process does, /load says how the model is split, and
+    /metrics counts every token's experts once (each rank its own, summed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from server_utils import EmberServer, moe_samples
+
+    path = str(tiny_checkpoint("qwen3_moe"))
+    prompts = [list(range(10, 40)), list(range(50, 80))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(path, kv_cache_memory=8 << 20) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    flags = ["-tp", "2", "--data-parallel-attention", "--expert-parallel"]
+    server = EmberServer(path, *flags, "--kv-cache-memory", "8M")
+    try:
+
+        def complete(prompt):
+            body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(complete, prompts))
+        load = httpx.get(f"{server.url}/load").json()
+        samples = moe_samples(server.url, "ember_moe_expert_tokens")
+    finally:
+        server.stop()
+    assert texts == expected
+    assert load["parallel"]["data_parallel_attention"] is True
+    experts = [s.value for s in samples if s.name == "ember_moe_expert_tokens"]
+    # one MoE layer, 2 experts a token, 35 tokens computed per request (30 + 6 - 1)
+    assert sum(experts) == 2 * 35 * 2
