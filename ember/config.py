@@ -538,7 +538,9 @@ class EngineConfig:
                 f"moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}; got {self.moe_dispatch!r}"
             )
         if self.data_parallel_attention:
-            _check_data_parallel_attention(self)
+            from ember.distributed.parallel import check_data_parallel_attention
+
+            check_data_parallel_attention(self)
         elif self.moe_dispatch != "auto":
             raise ValueError("moe_dispatch applies to data_parallel_attention only")
         refused = _parallel_refusals(self)
@@ -578,29 +580,6 @@ class EngineConfig:
 
 
 MOE_DISPATCHES = ("auto", "all-gather", "all-to-all")
-
-
-def _check_data_parallel_attention(config: EngineConfig) -> None:
-    """What data-parallel attention needs and does not do yet (its KV lives on the rank
-    that runs each sequence: the KV connectors, which reach every rank's tensors for
-    the same blocks, do not apply; a pipeline or drafts over it are not built)."""
-    name = "data_parallel_attention"
-    if config.tensor_parallel_size < 2:
-        raise ValueError(f"{name} needs tensor_parallel_size >= 2 (the ranks it runs over)")
-    if config.moe_dispatch == "all-to-all" and not config.expert_parallel:
-        raise ValueError(
-            "moe_dispatch 'all-to-all' sends each token to its experts' ranks: it needs "
-            "expert_parallel (within-expert splits need every token on every rank)"
-        )
-    refused = []
-    if config.pipeline_parallel_size > 1:
-        refused.append(f"pipeline_parallel_size={config.pipeline_parallel_size}")
-    if config.moves_kv:
-        refused.append("KV connectors (kv_role prefill / decode, KV tiers)")
-    if config.speculative_method is not None:
-        refused.append(f"speculative_method {config.speculative_method!r}")
-    if refused:
-        raise ValueError(f"{name} does not work with {', '.join(refused)} yet")
 
 
 def _parallel_refusals(config: EngineConfig) -> list[str]:

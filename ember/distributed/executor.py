@@ -49,8 +49,8 @@ import torch.distributed as dist
 import zmq
 
 from ember import envs
-from ember.config import EngineConfig
-from ember.distributed.parallel import PipelineStage, TPGroup, wait
+from ember.config import EngineConfig, ModelConfig
+from ember.distributed.parallel import PipelineStage, TPGroup, building, wait
 from ember.distributed.shm_comm import ShmCommunicator
 
 logger = logging.getLogger("ember.distributed")
@@ -211,6 +211,46 @@ def join_group(rank: int, config: EngineConfig, store: str) -> tuple[TPGroup, Pi
     group = TPGroup(tp_rank, tp_size, comm, config.expert_parallel,
                     config.data_parallel_attention, dispatch)  # fmt: skip
     return group, PipelineStage(stage, size // tp_size, tp_rank, tp_size)
+
+
+def check_parallel(
+    config: EngineConfig, model_config: ModelConfig, model_cls: type, device: torch.device
+) -> None:
+    """What a model over several ranks cannot do (yet), refused before any rank starts."""
+    size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+    name = f"tensor_parallel_size={size}" if stages == 1 else f"pipeline_parallel_size={stages}"
+    if device.type != "cpu":
+        raise ValueError(f"{name}: only CPU ranks (Gloo) are supported yet")
+    if not hasattr(model_cls, "shard_of"):
+        raise ValueError(f"{name}: {model_cls.__name__} cannot be split over ranks yet")
+    if config.data_parallel_attention:  # only the experts split
+        if model_config.moe is None:
+            raise ValueError(
+                f"data_parallel_attention: {model_config.architecture} has no mixture-of-"
+                "experts layers to share over the ranks; use tensor_parallel_size alone"
+            )
+    else:
+        _check_head_split(config, model_config, model_cls)
+    if config.world_size > len(os.sched_getaffinity(0)):
+        logger.warning("%d ranks: more ranks than cores", config.world_size)
+
+
+def _check_head_split(config: EngineConfig, model_config: ModelConfig, model_cls: type) -> None:
+    """Refuses a split of the heads or layers the model cannot take."""
+    size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+    if size > model_config.num_attention_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size}: the model has only "
+            f"{model_config.num_attention_heads} attention heads"
+        )
+    if stages > model_config.num_hidden_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={stages}: the model has only "
+            f"{model_config.num_hidden_layers} layers"
+        )
+    for rank in range(size):  # every rank's heads split as the model needs
+        with building(TPGroup(rank, size)):
+            model_cls.kv_cache_spec(model_config)
 
 
 def rank_cores(size: int, rank: int) -> list[int]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free at import: the API process reads `split` (metrics)
     import torch
 
+    from ember.config import EngineConfig
     from ember.distributed.shm_comm import ShmCommunicator
 
 
@@ -223,3 +224,26 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
     kv = rank // ranks_per_kv
     num_q = group // ranks_per_kv
     return HeadSplit(kv * group + (rank % ranks_per_kv) * num_q, num_q, kv, 1)
+
+
+def check_data_parallel_attention(config: EngineConfig) -> None:
+    """What data-parallel attention needs and does not do yet (its KV lives on the rank
+    that runs each sequence: the KV connectors, which reach every rank's tensors for
+    the same blocks, do not apply; a pipeline or drafts over it are not built)."""
+    name = "data_parallel_attention"
+    if config.tensor_parallel_size < 2:
+        raise ValueError(f"{name} needs tensor_parallel_size >= 2 (the ranks it runs over)")
+    if config.moe_dispatch == "all-to-all" and not config.expert_parallel:
+        raise ValueError(
+            "moe_dispatch 'all-to-all' sends each token to its experts' ranks: it needs "
+            "expert_parallel (within-expert splits need every token on every rank)"
+        )
+    refused = []
+    if config.pipeline_parallel_size > 1:
+        refused.append(f"pipeline_parallel_size={config.pipeline_parallel_size}")
+    if config.moves_kv:
+        refused.append("KV connectors (kv_role prefill / decode, KV tiers)")
+    if config.speculative_method is not None:
+        refused.append(f"speculative_method {config.speculative_method!r}")
+    if refused:
+        raise ValueError(f"{name} does not work with {', '.join(refused)} yet")
