@@ -195,12 +195,12 @@ class KVCacheManager:
         if request.request_id in self.req_rank or len(self.pools) == 1:
             hits = self._hits(self.pools[self.rank(request)], request, max_blocks)
             return hits, len(hits) * self.block_size
-        ranks = [(len(self._hits(pool, request, max_blocks)), pool.num_free_blocks, -r)
-                 for r, pool in enumerate(self.pools)]  # fmt: skip
-        rank = -max(ranks)[2]
+        hits = [self._hits(pool, request, max_blocks) for pool in self.pools]
+        rank = max(  # the longest hit, then the most free blocks, then the lowest rank
+            range(len(self.pools)), key=lambda r: (len(hits[r]), self.pools[r].num_free_blocks)
+        )
         self._chosen[request.request_id] = rank
-        hits = self._hits(self.pools[rank], request, max_blocks)
-        return hits, len(hits) * self.block_size
+        return hits[rank], len(hits[rank]) * self.block_size
 
     def _hits(self, pool: BlockPool, request: Request, max_blocks: int) -> list[KVCacheBlock]:
         hits: list[KVCacheBlock] = []
