@@ -156,6 +156,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(all-to-all needs --expert-parallel) (default %(default)s: all-gather)",
     )
     parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=d.nnodes,
+        help="run the model's ranks over this many hosts, an equal share each; the head "
+        "(node 0) serves the API, every other host runs `ember serve --nnodes N "
+        "--node-rank K --dist-init-addr HEAD:PORT` with the same parallel flags; every "
+        "node needs $EMBER_CLUSTER_SECRET and the model (default %(default)s)",
+    )
+    parser.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --nnodes: where the head's rank 0 listens for the other nodes' ranks",
+    )
+    parser.add_argument(
         "--max-num-seqs",
         type=int,
         default=d.max_num_seqs,
@@ -338,6 +353,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         expert_parallel=args.expert_parallel,
         data_parallel_attention=args.data_parallel_attention,
         moe_dispatch=args.moe_dispatch,
+        nnodes=args.nnodes,
+        dist_init_addr=args.dist_init_addr,
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -381,6 +398,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ember.engine.core_client import EngineDeadError
     from ember.server.run import serve
 
+    if args.node_rank:  # another node's ranks of the head's model: no API here
+        from ember.config import EngineConfig
+        from ember.distributed.nodes import Nodes, run_node
+
+        config = EngineConfig(**engine_options(args))  # the layout checked as the head's
+        return run_node(Nodes(config.world_size, config.nnodes, config.dist_init_addr),
+                        args.node_rank)  # fmt: skip
     try:
         return serve(args, engine_options(args))
     except EngineDeadError as exc:
@@ -433,6 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.server.args import add_server_args
 
     add_server_args(serve)
+    serve.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="with --nnodes: this host's place; 0 is the head (the API and rank 0), any "
+        "other runs only its share of the ranks (default %(default)s)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     router = sub.add_parser(

@@ -426,6 +426,11 @@ class EngineConfig:
     # ranks; expert_parallel only); "auto": all-gather, the faster measured here
     # (docs/benchmarks.md)
     moe_dispatch: str = "auto"
+    # the ranks over this many hosts (each world_size / nnodes of them; rank 0, the engine
+    # core, on the head), meeting at dist_init_addr, HOST:PORT on the head
+    # (ember.distributed.nodes)
+    nnodes: int = 1
+    dist_init_addr: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -438,8 +443,10 @@ class EngineConfig:
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.max_rank_memory is not None:
             _positive("max_rank_memory", self.max_rank_memory)
-        if self.world_size > 1 or self.data_parallel_attention:
-            self._check_parallel()
+        if self.world_size > 1 or self.data_parallel_attention or self.nnodes != 1:
+            from ember.distributed.parallel import check_parallel_config
+
+            check_parallel_config(self)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("min_prefill_tokens", self.min_prefill_tokens)
@@ -532,26 +539,6 @@ class EngineConfig:
                 "disaggregated workers run on CPU for now; pass device cpu"
             )
 
-    def _check_parallel(self) -> None:
-        if self.moe_dispatch not in MOE_DISPATCHES:
-            raise ValueError(
-                f"moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}; got {self.moe_dispatch!r}"
-            )
-        if self.data_parallel_attention:
-            from ember.distributed.parallel import check_data_parallel_attention
-
-            check_data_parallel_attention(self)
-        elif self.moe_dispatch != "auto":
-            raise ValueError("moe_dispatch applies to data_parallel_attention only")
-        refused = _parallel_refusals(self)
-        if refused:
-            name = (
-                f"tensor_parallel_size={self.tensor_parallel_size}"
-                if self.pipeline_parallel_size == 1
-                else f"pipeline_parallel_size={self.pipeline_parallel_size}"
-            )
-            raise ValueError(f"{name} does not work with {', '.join(refused)} yet")
-
     @property
     def kv_tiers(self) -> bool:
         """Whether any KV tier below the pool is asked for."""
@@ -577,21 +564,6 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
-
-
-MOE_DISPATCHES = ("auto", "all-gather", "all-to-all")
-
-
-def _parallel_refusals(config: EngineConfig) -> list[str]:
-    """What runs on one rank only for now (hidden-state drafters read rank 0's hidden
-    states alone; a pipeline's steps overlap, and drafts need each step's tokens before
-    the next)."""
-    refused = []
-    if config.speculative_method in ("eagle3", "mtp") or (
-        config.speculative_method is not None and config.pipeline_parallel_size > 1
-    ):
-        refused.append(f"speculative_method {config.speculative_method!r}")
-    return refused
 
 
 def _positive(name: str, value: int) -> None:

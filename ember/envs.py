@@ -83,3 +83,16 @@ def pipeline_steps_in_flight(num_stages: int) -> int:
             f"EMBER_PIPELINE_STEPS_IN_FLIGHT must be a positive integer; got {value!r}"
         )
     return int(value)
+
+
+def node_join_timeout() -> float:
+    """Seconds the nodes of a model over several hosts wait for one another (the head's
+    start, the other nodes' ranks): $EMBER_NODE_JOIN_TIMEOUT, default 600."""
+    value = os.environ.get("EMBER_NODE_JOIN_TIMEOUT", "").strip() or "600"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"EMBER_NODE_JOIN_TIMEOUT must be a positive number; got {value!r}")
+    return seconds

@@ -20,15 +20,17 @@ gather of rows (`LeaderModel.forward_ranks`); logits are rank 0's alone (the hea
 whole on every rank), and `ExpertCounts` asks the ranks for their MoE token counts.
 
 Messages are msgspec structs over a ZeroMQ PAIR socket per rank (ipc, in a private
-directory): `Hello` (imports done) -> every rank joins the process group -> `Ready`
-(model loaded: its KV block bytes, weight bytes and what its KV tensors hold) or
+directory; a rank on another node: tcp, CURVE, see ember.distributed.nodes): `Hello`
+(imports done) -> `Setup` (the engine config) -> every rank joins the process group ->
+`Ready` (model loaded: its KV block bytes, weight bytes and what its KV tensors hold) or
 `Failed` -> `AllocateKV` (private, or views of rank 0's shared file), then
 `Forward` / `Logits` per call, `Stop`.
 
 Failure: the workers die with the core (PR_SET_PDEATHSIG); a worker that exits or fails
-makes rank 0's next collective raise `RankFailedError` (the shared-memory wait checks the
-processes every few ms; Gloo's sockets close), after which the executor stops the rest
-and refuses further calls. The engine then fails as a whole, with that error.
+(a node whose connection closes) makes rank 0's next collective raise `RankFailedError`
+(the shared-memory wait checks the processes every few ms; Gloo's sockets close), after
+which the executor stops the rest and refuses further calls. The engine then fails as a
+whole, with that error.
 """
 
 from __future__ import annotations
@@ -50,13 +52,17 @@ import zmq
 
 from ember import envs
 from ember.config import EngineConfig, ModelConfig
+from ember.distributed import nodes
+from ember.distributed.nodes import Link, Nodes
 from ember.distributed.parallel import PipelineStage, TPGroup, building, wait
 from ember.distributed.shm_comm import ShmCommunicator
 
 logger = logging.getLogger("ember.distributed")
 
 STARTUP_TIMEOUT_S = 600.0  # a rank's imports and model load
-JOIN_TIMEOUT = datetime.timedelta(seconds=120)  # joining the process group
+# joining the process group, and any collective's wait for the other ranks (Gloo's)
+JOIN_TIMEOUT = datetime.timedelta(seconds=120)
+PEER_LOSS_S = 1.0  # how long a failed collective waits to learn which rank went
 RANK_MODULE = ["-m", "ember.distributed.rank_worker"]  # what a rank runs (tests wrap it)
 
 
@@ -86,6 +92,13 @@ class Tensor(msgspec.Struct, array_like=True):
 
 class Hello(msgspec.Struct, tag=True):
     rank: int
+
+
+class Setup(msgspec.Struct, tag=True):
+    """What a rank builds: the engine config (JSON) and the context length."""
+
+    config: str
+    max_model_len: int
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -146,7 +159,7 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
-ToRank = AllocateKV | Forward | Logits | ExpertCounts | Stop
+ToRank = Setup | AllocateKV | Forward | Logits | ExpertCounts | Stop
 FromRank = Hello | Ready | Failed | Counts
 
 
@@ -189,24 +202,24 @@ def decode_forward(message: Forward, device: torch.device, block_size: int):
     return message.input_ids.value().to(device), message.positions.value().to(device), meta
 
 
-def join_group(rank: int, config: EngineConfig, store: str) -> tuple[TPGroup, PipelineStage]:
+def join_group(rank: int, config: EngineConfig, store) -> tuple[TPGroup, PipelineStage]:
     """Joins the process group of the config's ranks (stages of tensor_parallel_size ranks
-    each); this rank's tensor-parallel group (its stage's ranks, over shared memory) and
-    stage."""
+    each) through `store`; this rank's tensor-parallel group (its stage's ranks, over
+    shared memory where they share a host) and stage."""
     size, tp_size = config.world_size, config.tensor_parallel_size
+    layout = Nodes(size, config.nnodes, config.dist_init_addr)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=size, timeout=JOIN_TIMEOUT
-    )
+        "gloo", store=dist.PrefixStore("ember-pg", store), rank=rank, world_size=size,
+        timeout=JOIN_TIMEOUT,
+    )  # fmt: skip
     stage, tp_rank = divmod(rank, tp_size)
     comm = None
+    stage_ranks = [list(range(s * tp_size, (s + 1) * tp_size)) for s in range(size // tp_size)]
     if tp_size == size:
-        comm = ShmCommunicator()
+        comm = ShmCommunicator(shared_memory=layout.same_node(stage_ranks[0]))
     elif tp_size > 1:  # every rank makes every stage's group, in the same order
-        groups = [
-            dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
-            for s in range(size // tp_size)
-        ]
-        comm = ShmCommunicator(groups[stage])
+        groups = [dist.new_group(ranks) for ranks in stage_ranks]
+        comm = ShmCommunicator(groups[stage], shared_memory=layout.same_node(stage_ranks[stage]))
     dispatch = "all-gather" if config.moe_dispatch == "auto" else config.moe_dispatch
     group = TPGroup(tp_rank, tp_size, comm, config.expert_parallel,
                     config.data_parallel_attention, dispatch)  # fmt: skip
@@ -266,11 +279,14 @@ class MultiprocExecutor:
 
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.size = config.world_size
+        self.nodes = Nodes(self.size, config.nnodes, config.dist_init_addr)
         self._dir = tempfile.mkdtemp(prefix="ember-ranks-")
         self._context = zmq.Context()
-        self._sockets: list[zmq.Socket] = []
-        self._processes: list[subprocess.Popen] = []
+        self._sockets: list[zmq.Socket] = []  # rank r's at r - 1
+        self._links: dict[int, Link] = {}  # the ranks on other nodes'
+        self._processes: list[subprocess.Popen] = []  # this node's ranks
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromRank)
         self.failure: str | None = None
@@ -278,33 +294,55 @@ class MultiprocExecutor:
         self.rank_block_bytes: list[int] = []
         self.rank_weight_bytes: list[int] = []
         self.rank_kv_pieces: list[list[tuple[int, int, int]]] = []
-        self._store = f"{self._dir}/store"
-        threads = len(rank_cores(self.size, 0))
-        config_json = msgspec.json.encode(config).decode()
-        for rank in range(1, self.size):
-            socket = self._context.socket(zmq.PAIR)
-            address = f"ipc://{self._dir}/rank{rank}"
-            socket.bind(address)
-            self._sockets.append(socket)
-            flags = {
-                "--rank": rank, "--size": self.size, "--store": self._store,
-                "--socket": address, "--config": config_json,
-                "--max-model-len": max_model_len, "--threads": threads,
-            }  # fmt: skip
-            command = [sys.executable, *RANK_MODULE]
-            command += [str(part) for flag in flags.items() for part in flag]
-            self._processes.append(subprocess.Popen(command, env=envs.engine_core_env()))
         atexit.register(self.close)
+        self._store = None
+        store_flag = ["--store", f"{self._dir}/store"]
+        if self.nodes.nnodes > 1:
+            self._store = nodes.head_store(self.nodes)
+            self._store.set(nodes.LAYOUT_KEY, self.nodes.layout)
+            store_flag = ["--nnodes", self.nodes.nnodes, "--dist-init-addr", self.nodes.addr]
+        local = self.nodes.ranks_of(0)
+        for rank in range(1, self.size):
+            if rank in local:
+                self._start_local(rank, store_flag)
+            else:
+                self._bind_remote(rank)
+
+    def _start_local(self, rank: int, store_flag: list) -> None:
+        socket = self._context.socket(zmq.PAIR)
+        address = f"ipc://{self._dir}/rank{rank}"
+        socket.bind(address)
+        self._sockets.append(socket)
+        threads = len(rank_cores(self.nodes.per_node, rank))
+        flags = ["--rank", rank, "--size", self.size, "--socket", address, "--threads", threads]
+        command = [sys.executable, *RANK_MODULE, *map(str, flags + store_flag)]
+        self._processes.append(subprocess.Popen(command, env=envs.engine_core_env()))
+
+    def _bind_remote(self, rank: int) -> None:
+        """A socket for a rank on another node, its address in the store for it to find."""
+        link = Link.bind(self._context, nodes.node_secret(), self.nodes.host_port[0], rank)
+        self._links[rank] = link
+        self._sockets.append(link.socket)
+        self._store.set(nodes.STORE_KEY.format(rank=rank), link.address)
+
+    def _where(self, rank: int) -> str:
+        if rank in self._links:
+            return f"rank {rank} (node {self.nodes.node_of(rank)})"
+        return f"rank {rank}"
 
     # -- start-up ----------------------------------------------------------------------
 
     def join(self) -> tuple[TPGroup, PipelineStage]:
-        """Rank 0 joins the process group once every rank has imported torch; returns
-        the tensor-parallel group and pipeline stage the model is built for."""
+        """Rank 0 joins the process group once every rank has imported torch (and sent
+        the set-up); returns the tensor-parallel group and pipeline stage the model is
+        built for."""
+        setup = Setup(msgspec.json.encode(self.config).decode(), self.max_model_len)
         for rank in range(1, self.size):
             self._expect(rank, Hello)
-        torch.set_num_threads(len(rank_cores(self.size, 0)))
-        group, stage = join_group(0, self.config, self._store)
+        self.send(setup)
+        torch.set_num_threads(len(rank_cores(self.nodes.per_node, 0)))
+        store = self._store or dist.FileStore(f"{self._dir}/store", self.size)
+        group, stage = join_group(0, self.config, store)
         if group.comm is not None:
             group.comm.check = self.check
         self.group = group
@@ -325,16 +363,26 @@ class MultiprocExecutor:
 
     def _expect(self, rank: int, kind: type) -> FromRank:
         socket = self._sockets[rank - 1]
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        remote = rank in self._links and kind is Hello  # the node may not have started
+        timeout = envs.node_join_timeout() if remote else STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if socket.poll(100):
                 message = self._decoder.decode(socket.recv())
                 if isinstance(message, Failed):
-                    self._fail(f"rank {rank} failed: {message.message}")
+                    self._fail(f"{self._where(rank)} failed: {message.message}")
                 if isinstance(message, kind):
                     return message
             self.check()
-        self._fail(f"rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            if remote and self._store.check([nodes.REFUSED_KEY]):  # a node of another layout
+                self._fail(self._store.get(nodes.REFUSED_KEY).decode())
+        if remote:
+            self._fail(
+                f"{self._where(rank)} did not join at {self.nodes.addr} within {timeout:.0f} "
+                f"s: is node {self.nodes.node_of(rank)} started (ember serve ... --nnodes "
+                f"{self.nodes.nnodes} --node-rank {self.nodes.node_of(rank)})?"
+            )
+        self._fail(f"{self._where(rank)} did not start within {timeout:.0f} s")
 
     # -- steps -------------------------------------------------------------------------
 
@@ -365,6 +413,9 @@ class MultiprocExecutor:
             code = process.poll()
             if code is not None:
                 self._fail(f"rank {rank} of {self.size} exited (code {code}){self._reason(rank)}")
+        for rank, link in self._links.items():
+            if link.poll() is not None:
+                self._fail(f"{self._where(rank)} of {self.size}: {link.down}{self._reason(rank)}")
 
     def _reason(self, rank: int) -> str:
         """A failed rank's own last word, if it sent one."""
@@ -380,6 +431,22 @@ class MultiprocExecutor:
         logger.error("tensor-parallel model stopped: %s", reason)
         self.close()
         raise RankFailedError(reason)
+
+    def failed_call(self, what: str, exc: Exception) -> RankFailedError:
+        """The error for a call that raised `exc` (the ranks are stopped): the rank found
+        gone, if one is within a second (a peer's loss breaks the collectives before its
+        exit or closed socket is seen), else `what` failed."""
+        deadline = time.monotonic() + PEER_LOSS_S
+        while True:
+            try:
+                self.check()
+            except RankFailedError as failed:
+                return failed
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.fail(f"{what} failed: {type(exc).__name__}: {exc}")
+        return RankFailedError(self.failure)
 
     def fail(self, reason: str) -> None:
         """Stops every rank (rank 0 left a call half done; the ranks are out of step)."""
@@ -406,9 +473,14 @@ class MultiprocExecutor:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for socket in self._sockets:
-            socket.close(linger=0)
+        for rank, socket in enumerate(self._sockets, start=1):
+            if rank in self._links:
+                socket.setsockopt(zmq.LINGER, 1000)  # Stop on its way to another node
+                self._links[rank].close()
+            else:
+                socket.close(linger=0)
         self._context.term()
+        self._store = None
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -428,9 +500,7 @@ class PendingHidden:
         except RankFailedError:
             raise
         except Exception as exc:  # Gloo's error for a peer that is gone
-            self.executor.check()
-            self.executor.fail(f"pipeline transfer failed: {type(exc).__name__}: {exc}")
-            raise RankFailedError(self.executor.failure) from exc
+            raise self.executor.failed_call("pipeline transfer", exc) from exc
         return self.out
 
 
@@ -482,6 +552,8 @@ class LeaderModel:
             return call(*args)
         except RankFailedError:
             raise
+        except RuntimeError as exc:  # torch.distributed's, when a peer is gone
+            raise self.executor.failed_call("rank 0's model call", exc) from exc
         except BaseException as exc:
             self.executor.fail(f"rank 0 failed in a model call: {type(exc).__name__}: {exc}")
             raise

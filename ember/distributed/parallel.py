@@ -247,3 +247,31 @@ def check_data_parallel_attention(config: EngineConfig) -> None:
         refused.append(f"speculative_method {config.speculative_method!r}")
     if refused:
         raise ValueError(f"{name} does not work with {', '.join(refused)} yet")
+
+
+MOE_DISPATCHES = ("auto", "all-gather", "all-to-all")
+
+
+def check_parallel_config(config: EngineConfig) -> None:
+    """The config's parallel options, checked (ValueError naming the parameter)."""
+    from ember.distributed.nodes import check_nodes
+
+    if config.moe_dispatch not in MOE_DISPATCHES:
+        raise ValueError(
+            f"moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}; got {config.moe_dispatch!r}"
+        )
+    if config.data_parallel_attention:
+        check_data_parallel_attention(config)
+    elif config.moe_dispatch != "auto":
+        raise ValueError("moe_dispatch applies to data_parallel_attention only")
+    check_nodes(config.world_size, config.nnodes, config.dist_init_addr, config.moves_kv)
+    # hidden-state drafters read rank 0's hidden states alone; a pipeline's steps overlap,
+    # and drafts need each step's tokens before the next
+    method = config.speculative_method
+    if method in ("eagle3", "mtp") or (method is not None and config.pipeline_parallel_size > 1):
+        name = (
+            f"tensor_parallel_size={config.tensor_parallel_size}"
+            if config.pipeline_parallel_size == 1
+            else f"pipeline_parallel_size={config.pipeline_parallel_size}"
+        )
+        raise ValueError(f"{name} does not work with speculative_method {method!r} yet")

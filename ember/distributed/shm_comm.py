@@ -36,17 +36,26 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
+NAME_BYTES = 256  # room for the segment's path
 # stores seen by other cores in program order (TSO)
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
 
 class ShmCommunicator:
-    def __init__(self, group: dist.ProcessGroup | None = None, max_bytes: int = 16 << 20):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        max_bytes: int = 16 << 20,
+        shared_memory: bool = True,
+    ) -> None:
+        """`shared_memory` False: the group's ranks are not on one host (Gloo for all)."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.max_bytes = max_bytes
-        self.enabled = ORDERED_STORES and os.path.isdir(SHM_DIR) and self.world_size > 1
+        self.enabled = (
+            shared_memory and ORDERED_STORES and os.path.isdir(SHM_DIR) and self.world_size > 1
+        )
         self.num_calls = 0
         # called every CHECK_SPINS spins of a wait: raises if a peer is gone (else the
         # wait would spin forever; ember.distributed.executor watches the processes)
@@ -56,20 +65,21 @@ class ShmCommunicator:
         header = 2 * self.world_size * 8  # int64 counters: written, read
         slot = -(-max_bytes // 64) * 64
         size = header + self.world_size * slot
-        name = [None]
+        name = torch.zeros(NAME_BYTES, dtype=torch.uint8)  # its name, as bytes (no pickle)
         if self.rank == 0:
-            name[0] = os.path.join(SHM_DIR, f"ember-comm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            fd = os.open(name[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            path = os.path.join(SHM_DIR, f"ember-comm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(fd, size)
             os.close(fd)
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group else 0,
-                                   group=group)  # fmt: skip
+            name[: len(path)] = torch.frombuffer(bytearray(path.encode()), dtype=torch.uint8)
+        dist.broadcast(name, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        path = bytes(name.numpy()).rstrip(b"\0").decode()
         try:
-            memory = torch.from_file(name[0], shared=True, size=size, dtype=torch.uint8)
+            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         finally:
             dist.barrier(group=group)  # every rank has mapped it (or failed to)
             if self.rank == 0:
-                os.unlink(name[0])
+                os.unlink(path)
         counters = memory[:header].view(torch.int64).view(2, self.world_size)
         self._written, self._read = counters.numpy()  # polled without torch's overhead
         self._slots = memory[header:].view(self.world_size, slot)

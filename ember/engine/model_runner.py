@@ -247,7 +247,8 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * (fraction or 0.9))
         # a model's ranks share this host's memory: a share each
-        share = _available_host_memory() * (fraction or 0.5) / self.config.world_size
+        ranks_here = self.config.world_size // self.config.nnodes
+        share = _available_host_memory() * (fraction or 0.5) / ranks_here
         return min(int(share), CPU_KV_CACHE_CAP)
 
     @property

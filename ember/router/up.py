@@ -132,6 +132,11 @@ def worker_roles(args: argparse.Namespace) -> list[str]:
 
 
 def run_up(args: argparse.Namespace, engine_options: dict) -> int:
+    if engine_options.get("nnodes", 1) != 1:
+        raise ValueError(
+            "--nnodes: ember up starts its workers on this machine; for a model over "
+            "several hosts start each node with ember serve --nnodes N --node-rank K"
+        )
     roles = worker_roles(args)
     pins = core_sets(len(roles)) if args.pin else [None] * len(roles)
     access = access_of(args)  # checks the flags before anything starts
