@@ -5,6 +5,7 @@ tokens per second, the share of rank 0's step spent in collectives, and each ran
     python benchmarks/tensor_parallel.py --moe DIR   # a random ~2 GB Qwen3-MoE, EP=2, TP=2
     python benchmarks/tensor_parallel.py --pipeline --batch 4 8   # PP=2, 1 or 2 steps in flight
     python benchmarks/tensor_parallel.py --moe DIR --data-parallel-attention --batch 2 8
+    python benchmarks/tensor_parallel.py --nodes   # TP=2 on one node, then over two
 
 `--pipeline` runs PP=2 (one core per stage) instead of TP=2, once with a step at a time
 (EMBER_PIPELINE_STEPS_IN_FLIGHT=1: the stages take turns) and once with two steps in
@@ -20,6 +21,11 @@ expert's width split (TP=2, tensor parallel within the experts). With
 data-parallel (each rank its own sequences) with the experts reached by all-gather +
 reduce-scatter and by all-to-all, and with each expert's width split (all-gather); "in
 coll." then counts the row collectives too.
+
+`--nodes` runs TP=2 on one node (all-reduce in shared memory), then over two nodes on
+loopback (`--nnodes 2`: rank 1 started by `ember serve --node-rank 1`, each node pinned
+to one core, the all-reduces over Gloo's TCP as between hosts, the calls over CURVE),
+then PP=2 (two steps in flight) on one node and over two.
 
 Each configuration runs in a fresh process (peak RSS of its own): TP=1 on one thread,
 TP=1 on as many threads as TP=2 has cores, TP=2 with one core per rank. Per batch size:
@@ -54,7 +60,10 @@ def run_one(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     comm_s = [0.0]
-    llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+    nodes = {}
+    if args.nnodes > 1:
+        nodes = {"nnodes": args.nnodes, "dist_init_addr": start_node(args)}
+    llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, **nodes,
               max_model_len=1024, kv_cache_memory=256 << 20, max_step_ms=0,
               expert_parallel=args.expert_parallel,
               data_parallel_attention=args.dispatch is not None,
@@ -120,6 +129,25 @@ def run_one(args: argparse.Namespace) -> dict:
     return result
 
 
+def start_node(args: argparse.Namespace) -> str:
+    """Node 1 of two on loopback, on the last core (this process keeps the first); the
+    head's address."""
+    import secrets
+    import socket
+
+    os.environ.setdefault("EMBER_CLUSTER_SECRET", secrets.token_hex(16))
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores[:1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    command = ["taskset", "-c", str(cores[-1]), sys.executable, "-m", "ember.cli", "serve",
+               "--nnodes", str(args.nnodes), "--node-rank", "1", "--dist-init-addr", addr,
+               "-tp", str(args.tp), "-pp", str(args.pp)]  # fmt: skip
+    subprocess.Popen(command, stdout=subprocess.DEVNULL)  # exits when the head stops
+    return addr
+
+
 def build_moe(directory: str) -> str:
     """A random-init Qwen3-MoE of about 2 GB (fp32), saved once in `directory`."""
     from pathlib import Path
@@ -158,6 +186,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=None, help="(internal) one configuration")
     parser.add_argument("--pp", type=int, default=1, help="(internal)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--nodes", action="store_true", help="TP=2 on one node, then two")
+    parser.add_argument("--nnodes", type=int, default=1, help="(internal)")
     args = parser.parse_args()
     if args.tp is not None:
         print(json.dumps(run_one(args)))
@@ -165,9 +195,13 @@ def main() -> None:
     if args.moe is not None:
         args.model = build_moe(args.moe)
     cores = len(os.sched_getaffinity(0))
-    # (tp, pp, threads per rank, steps in flight, expert parallel, data-parallel dispatch)
+    # (tp, pp, threads per rank, steps in flight or "nodes", expert parallel,
+    # data-parallel dispatch)
     configs = [(1, 1, 1, None, False, None), (1, 1, min(2, cores), None, False, None)]
-    if args.pipeline:
+    if args.nodes:
+        configs = [(2, 1, 1, None, False, None), (2, 1, 1, "nodes", False, None),
+                   (1, 2, 1, 2, False, None), (1, 2, 1, "nodes", False, None)]  # fmt: skip
+    elif args.pipeline:
         configs += [(1, 2, 1, 1, False, None), (1, 2, 1, 2, False, None)]
     elif args.data_parallel_attention:
         configs += [(2, 1, 1, None, True, None), (2, 1, 1, None, True, "all-gather"),
@@ -186,17 +220,23 @@ def main() -> None:
         command += ["--expert-parallel"] if by_expert else []
         command += ["--dispatch", dispatch] if dispatch else []
         env = dict(os.environ)
-        if in_flight is not None:
+        if in_flight == "nodes":
+            command += ["--nnodes", "2"]
+        elif in_flight is not None:
             env["EMBER_PIPELINE_STEPS_IN_FLIGHT"] = str(in_flight)
         out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         if pp > 1:
             name = f"PP={pp}, {in_flight} in flight"
+            if in_flight == "nodes":
+                name = f"PP={pp} over 2 nodes (Gloo)"
         else:
             kind = "EP" if by_expert else "TP"
             name = f"{kind}={tp} ({threads} thr{'/rank' if tp > 1 else ''})"
             if dispatch:
                 name = f"DP-attn {kind}={tp} {dispatch}"
+            if in_flight == "nodes":
+                name = f"TP={tp} over 2 nodes (Gloo)"
         for batch, row in result["batches"].items():
             rss = " ".join(f"{mb:.0f}" for mb in result["peak_rss_mb"])
             weights = " ".join(f"{mb:.0f}" for mb in result["weight_mb"])
