@@ -17,12 +17,12 @@ import time
 
 import httpx
 import pytest
+from test_tensor_parallel import PROMPTS, _assert_same, _run
 
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 from ember.distributed import nodes, shm_comm
 from ember.distributed.executor import RankFailedError
-from tests.test_tensor_parallel import PROMPTS, _assert_same, _run
 
 pytestmark = pytest.mark.skipif(not shm_comm.ORDERED_STORES, reason="x86-64 ranks")
 
@@ -63,24 +63,32 @@ def _finish(node: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize(
-    "layout, flags",
+    "arch, layout, flags",
     [
-        pytest.param({"tensor_parallel_size": 2}, ["-tp", "2"], id="tp2"),
+        pytest.param("llama", {"tensor_parallel_size": 2}, ["-tp", "2"], id="tp2"),
         pytest.param(
+            "llama",
             {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
             ["-tp", "2", "-pp", "2"],
             id="tp2xpp2",
         ),
+        pytest.param(
+            "qwen3_moe",
+            {"tensor_parallel_size": 2, "data_parallel_attention": True, "expert_parallel": True},
+            ["-tp", "2"],
+            id="dp-attention",
+        ),
     ],
 )
 def test_ranks_over_two_nodes_give_the_single_process_result(
-    tiny_checkpoint, secret, layout: dict, flags: list[str]
+    tiny_checkpoint, secret, arch: str, layout: dict, flags: list[str]
 ) -> None:
-    """TP=2 with one rank per node (its all-reduces over Gloo), and TP=2 x PP=2 with a
-    stage per node (each stage's all-reduces in shared memory, the residual stream from
-    node to node); chunked prefill and a prefix-cache hit, as one process. The node exits
-    0 once the head stops."""
-    path = tiny_checkpoint("llama")
+    """TP=2 with one rank per node (its all-reduces over Gloo), TP=2 x PP=2 with a stage
+    per node (each stage's all-reduces in shared memory, the residual stream from node to
+    node), and attention data-parallel with the experts by rank (the rows gathered and
+    reduce-scattered over Gloo); chunked prefill and a prefix-cache hit, as one process.
+    The node exits 0 once the head stops."""
+    path = tiny_checkpoint(arch)
     addr = f"127.0.0.1:{_free_port()}"
     node = _node(addr, 1, *flags)
     single, _ = _run(path, max_num_batched_tokens=16)
@@ -214,3 +222,34 @@ def test_a_node_needs_the_secret_and_a_place(monkeypatch) -> None:
     monkeypatch.setenv("EMBER_CLUSTER_SECRET", SECRET)
     with pytest.raises(ValueError, match="node_rank must be 1..1"):
         nodes.run_node(layout, 2)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_links_prove_the_secret_and_see_their_peer_go(host: str) -> None:
+    """Rank 0's socket and a rank's (IPv4 and IPv6): the right secret connects and
+    carries messages; another secret is refused on the connecting side (the bound side
+    only counts it); a peer that closes is seen down."""
+    import zmq
+
+    context = zmq.Context()
+    try:
+        head = nodes.Link.bind(context, b"right", host, 1)
+    except (OSError, zmq.ZMQError) as exc:
+        pytest.skip(f"no {host} here: {exc}")
+    stranger = nodes.Link.connect(context, b"wrong", head.address)
+    deadline = time.monotonic() + 10
+    while stranger.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "refused this rank's key: $EMBER_CLUSTER_SECRET differs" in stranger.down
+    assert head.poll() is None and not head.up and head.refusals >= 1
+    stranger.close()
+    rank = nodes.Link.connect(context, b"right", head.address)
+    rank.socket.send(b"hello")
+    assert head.socket.poll(10_000) and head.socket.recv() == b"hello"
+    assert head.poll() is None and head.up
+    rank.close()
+    while head.poll() is None and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    assert "the connection to rank 1 closed" in head.down
+    head.close()
+    context.term()

@@ -133,6 +133,12 @@ def node_secret() -> bytes:
     return secret
 
 
+def _resolve(host: str) -> tuple[socket.AddressFamily, str]:
+    """The address family and IP address the head's `host` names."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    return family, sockaddr[0]
+
+
 def _curve_keys(secret: bytes, purpose: bytes) -> tuple[bytes, bytes]:
     """A CURVE key pair (public, secret; Z85) derived from the cluster secret."""
     raw = hmac.new(secret, b"ember:rank-" + purpose, hashlib.sha256).digest()
@@ -140,7 +146,8 @@ def _curve_keys(secret: bytes, purpose: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
-def _heartbeats(sock: zmq.Socket) -> None:
+def _socket_options(sock: zmq.Socket, ipv6: bool) -> None:
+    sock.setsockopt(zmq.IPV6, int(ipv6))
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
@@ -169,9 +176,10 @@ class Link:
         public, secret_key = _curve_keys(secret, b"head")
         sock.curve_server = True
         sock.curve_publickey, sock.curve_secretkey = public, secret_key
-        _heartbeats(sock)
+        family, ip = _resolve(host)
+        _socket_options(sock, ipv6=family == socket.AF_INET6)
         link = cls(sock, f"rank {rank}", bound=True)
-        sock.bind(f"tcp://{socket.gethostbyname(host)}:*")
+        sock.bind(f"tcp://[{ip}]:*" if family == socket.AF_INET6 else f"tcp://{ip}:*")
         return link
 
     @classmethod
@@ -180,7 +188,7 @@ class Link:
         sock = context.socket(zmq.PAIR)
         sock.curve_serverkey = _curve_keys(secret, b"head")[0]
         sock.curve_publickey, sock.curve_secretkey = _curve_keys(secret, b"rank")
-        _heartbeats(sock)
+        _socket_options(sock, ipv6="[" in address)
         link = cls(sock, f"rank 0 at {address}", bound=False)
         sock.connect(address)
         return link
@@ -230,7 +238,7 @@ def head_store(nodes: Nodes):
     import torch.distributed as dist
 
     host, port = nodes.host_port
-    listener = socket.create_server((host, port), backlog=128)
+    listener = socket.create_server((host, port), family=_resolve(host)[0], backlog=128)
     try:
         return dist.TCPStore(
             host, port, None, True, _join_timeout(), wait_for_workers=False,
