@@ -222,6 +222,22 @@ def test_a_node_needs_the_secret_and_a_place(monkeypatch) -> None:
     monkeypatch.setenv("EMBER_CLUSTER_SECRET", SECRET)
     with pytest.raises(ValueError, match="node_rank must be 1..1"):
         nodes.run_node(layout, 2)
+    with pytest.raises(ValueError, match="give nnodes too"):
+        nodes.run_node(nodes.Nodes(2), 1)
+
+
+def test_a_busy_address_fails_the_head_with_no_rank_left(tiny_checkpoint, secret) -> None:
+    """The head cannot listen at dist_init_addr: a ValueError naming it, before any rank."""
+    from test_tensor_parallel import _rank_processes
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        addr = f"127.0.0.1:{busy.getsockname()[1]}"
+        with pytest.raises(ValueError, match=f"dist_init_addr {addr}: cannot listen there"):
+            LLM(str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20,
+                tensor_parallel_size=4, nnodes=2, dist_init_addr=addr)  # fmt: skip
+    assert not _rank_processes()
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])

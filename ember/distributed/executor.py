@@ -296,31 +296,37 @@ class MultiprocExecutor:
         self.rank_kv_pieces: list[list[tuple[int, int, int]]] = []
         atexit.register(self.close)
         self._store = None
+        try:
+            self._start()
+        except BaseException:
+            self.close()  # no rank left behind
+            raise
+
+    def _start(self) -> None:
         store_flag = ["--store", f"{self._dir}/store"]
         if self.nodes.nnodes > 1:
+            secret = nodes.node_secret()
             self._store = nodes.head_store(self.nodes)
             self._store.set(nodes.LAYOUT_KEY, self.nodes.layout)
             store_flag = ["--nnodes", self.nodes.nnodes, "--dist-init-addr", self.nodes.addr]
-        local = self.nodes.ranks_of(0)
-        for rank in range(1, self.size):
-            if rank in local:
-                self._start_local(rank, store_flag)
-            else:
-                self._bind_remote(rank)
+            for rank in range(self.nodes.per_node, self.size):
+                self._bind_remote(rank, secret)
+        for rank in range(1, self.nodes.per_node):
+            self._start_local(rank, store_flag)
 
     def _start_local(self, rank: int, store_flag: list) -> None:
         socket = self._context.socket(zmq.PAIR)
         address = f"ipc://{self._dir}/rank{rank}"
         socket.bind(address)
-        self._sockets.append(socket)
+        self._sockets.insert(rank - 1, socket)  # (before the remote ranks')
         threads = len(rank_cores(self.nodes.per_node, rank))
         flags = ["--rank", rank, "--size", self.size, "--socket", address, "--threads", threads]
         command = [sys.executable, *RANK_MODULE, *map(str, flags + store_flag)]
         self._processes.append(subprocess.Popen(command, env=envs.engine_core_env()))
 
-    def _bind_remote(self, rank: int) -> None:
+    def _bind_remote(self, rank: int, secret: bytes) -> None:
         """A socket for a rank on another node, its address in the store for it to find."""
-        link = Link.bind(self._context, nodes.node_secret(), self.nodes.host_port[0], rank)
+        link = Link.bind(self._context, secret, self.nodes.host_port[0], rank)
         self._links[rank] = link
         self._sockets.append(link.socket)
         self._store.set(nodes.STORE_KEY.format(rank=rank), link.address)

@@ -238,7 +238,10 @@ def head_store(nodes: Nodes):
     import torch.distributed as dist
 
     host, port = nodes.host_port
-    listener = socket.create_server((host, port), family=_resolve(host)[0], backlog=128)
+    try:
+        listener = socket.create_server((host, port), family=_resolve(host)[0], backlog=128)
+    except OSError as exc:
+        raise ValueError(f"dist_init_addr {nodes.addr}: cannot listen there: {exc}") from exc
     try:
         return dist.TCPStore(
             host, port, None, True, _join_timeout(), wait_for_workers=False,
@@ -274,6 +277,8 @@ def run_node(nodes: Nodes, node_rank: int, threads: int | None = None) -> int:
     from ember.distributed.executor import RANK_MODULE, rank_cores
 
     node_secret()  # refused here, before any rank starts, if unset
+    if nodes.nnodes == 1:
+        raise ValueError("node_rank applies to a model over several nodes: give nnodes too")
     if not 0 < node_rank < nodes.nnodes:
         raise ValueError(
             f"node_rank must be 1..{nodes.nnodes - 1} on a node that is not the head "
