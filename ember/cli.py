@@ -403,8 +403,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ember.distributed.nodes import Nodes, run_node
 
         config = EngineConfig(**engine_options(args))  # the layout checked as the head's
-        return run_node(Nodes(config.world_size, config.nnodes, config.dist_init_addr),
-                        args.node_rank)  # fmt: skip
+        return run_node(Nodes.of(config), args.node_rank)
     try:
         return serve(args, engine_options(args))
     except EngineDeadError as exc:

@@ -207,7 +207,7 @@ def join_group(rank: int, config: EngineConfig, store) -> tuple[TPGroup, Pipelin
     each) through `store`; this rank's tensor-parallel group (its stage's ranks, over
     shared memory where they share a host) and stage."""
     size, tp_size = config.world_size, config.tensor_parallel_size
-    layout = Nodes(size, config.nnodes, config.dist_init_addr)
+    layout = Nodes.of(config)
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("ember-pg", store), rank=rank, world_size=size,
         timeout=JOIN_TIMEOUT,
@@ -281,7 +281,7 @@ class MultiprocExecutor:
         self.config = config
         self.max_model_len = max_model_len
         self.size = config.world_size
-        self.nodes = Nodes(self.size, config.nnodes, config.dist_init_addr)
+        self.nodes = Nodes.of(config)
         self._dir = tempfile.mkdtemp(prefix="ember-ranks-")
         self._context = zmq.Context()
         self._sockets: list[zmq.Socket] = []  # rank r's at r - 1

@@ -37,12 +37,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from ember import envs
+
+if TYPE_CHECKING:
+    from ember.config import EngineConfig
 
 logger = logging.getLogger("ember.distributed")
 
@@ -68,6 +72,10 @@ class Nodes:
     world_size: int
     nnodes: int = 1
     addr: str | None = None  # HOST:PORT of rank 0's store (nnodes > 1)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Nodes:
+        return cls(config.world_size, config.nnodes, config.dist_init_addr)
 
     @property
     def per_node(self) -> int:
