@@ -7,3 +7,4 @@ WORKER_HEADER = "x-ember-worker"  # the worker a router sent the request to
 PREFILL_HEADER = "x-ember-prefill-worker"  # ... and its prefill worker, when disaggregated
 RESPONSE_ID_HEADER = "x-ember-response-id"  # a /v1/responses id: the router keeps its home
 ROUTER_TOKEN_HEADER = "x-ember-router-token"  # a cluster's router proving itself to workers
+STREAM_TOKENS_HEADER = "x-ember-stream-tokens"  # a router asking for a stream's token trail

@@ -37,6 +37,26 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def pid_serving(url: str) -> int:
+    """The pid of the `ember serve` process listening at `url` (read from /proc)."""
+    port = url.rsplit(":", 1)[1]
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"serve" in argv
+            and b"--port" in argv
+            and argv[argv.index(b"--port") + 1] == port.encode()
+        ):
+            return int(entry.name)
+    raise AssertionError(f"no process serves {url}")
+
+
 WORKER_ARGS = ["--kv-cache-memory", "16M", "--max-model-len", "512", "--block-size", "8"]
 
 

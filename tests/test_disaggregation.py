@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server_utils import WORKER_ARGS, EmberServer, Up, child_pids
+from server_utils import WORKER_ARGS, EmberServer, Up, child_pids, pid_serving
 
 LONG = "The quick brown fox jumps over the lazy dog while the cat watches. " * 6
 
@@ -58,25 +58,6 @@ def answer(response: dict) -> list:
 def logprobs(response: dict) -> list[float]:
     entries = (response["choices"][0].get("logprobs") or {}).get("content") or []
     return [e["logprob"] for e in entries]
-
-
-def _pid_serving(url: str) -> int:
-    port = url.rsplit(":", 1)[1]
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"serve" in argv
-            and b"--port" in argv
-            and argv[argv.index(b"--port") + 1] == port.encode()
-        ):
-            return int(entry.name)
-    raise AssertionError(f"no process serves {url}")
 
 
 def assert_answers_alike(cluster, reference, made: list[tuple[str, dict]]) -> None:
@@ -236,7 +217,7 @@ def test_bad_requests_get_the_workers_errors(pd):
 def test_killing_the_decode_worker_moves_new_requests_to_the_prefill_worker(pd):
     cluster, _ = pd
     (decode_url,) = cluster.urls("decode")
-    serve_pid = _pid_serving(decode_url)
+    serve_pid = pid_serving(decode_url)
     body = {"prompt": LONG, "max_tokens": 8, "temperature": 0}
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(post, cluster.url, "/v1/completions", body) for _ in range(4)]

@@ -195,6 +195,7 @@ class AsyncLLM:
         grammar: str | None = None,
         kv_transfer: KVTransferParams | None = None,
         kv_retention: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Checks the request and sends it to the core now (call on the event loop; no
         await, so a caller can check `num_waiting` and add without anyone in between).
@@ -202,22 +203,37 @@ class AsyncLLM:
 
         `kv_transfer`: run as a prefill for a decode worker (`do_remote_decode`), or as a
         decode whose prompt KV and first tokens come from a prefill worker (its first
-        output, carrying those tokens, comes at once)."""
+        output, carrying those tokens, comes at once).
+
+        `resume_token_ids`: a stream resumed from another worker (n = 1): the tokens it
+        had output there are this request's first output, which comes at once (a server
+        replays it through its parsers without sending it); the next token is sampled after
+        them, as it would have been there."""
         if self._error is not None:
             raise EngineDeadError(str(self._error), started=False)
         request_id = request_id or f"req-{next(self._ids)}"
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_prompt(prompt)
         core_request = self.input_processor.process(
-            request_id, prompt, params, cache_salt, session_id, grammar, kv_transfer, kv_retention
-        )
+            request_id, prompt, params, cache_salt, session_id, grammar, kv_transfer,
+            kv_retention, resume_token_ids,
+        )  # fmt: skip
         loop = asyncio.get_running_loop()
         sink = _Sink(asyncio.Queue(), loop)
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             prefilled = kv_transfer.remote_prefill if kv_transfer is not None else None
-            first = self.output_processor.add_request(request_id, prompt, params, prefilled)
+            ended = self.input_processor.resumed_finish(
+                resume_token_ids, params, core_request.max_tokens
+            )
+            first = self.output_processor.add_request(
+                request_id, prompt, params, prefilled, resume_token_ids, ended
+            )
+            if first is not None:  # queued now, before any output of the core's
+                sink.queue.put_nowait(first)
+                if first.finished:  # resumed at its end: nothing to run
+                    return RequestStream(request_id, sink.queue, self.abort, loop)
             self._sinks[request_id] = sink
         try:
             self.client.send(core_request)
@@ -226,8 +242,6 @@ class AsyncLLM:
             raise
         self._num_sequences_sent += params.n
         sink.seq = self._num_sequences_sent
-        if first is not None:
-            sink.put(first)
         return RequestStream(request_id, sink.queue, self.abort, loop)
 
     def abort(self, request_id: str) -> None:

@@ -207,7 +207,26 @@ class EngineCore:
                 request.token_ids.append(token_id)
                 if request.grammar is not None:
                     request.grammar.accept(token_id)
+        if core_request.resume_token_ids:  # output on another worker: recomputed here
+            self._resume(requests, core_request.resume_token_ids, core_request.max_tokens)
         return requests
+
+    def _resume(self, requests: list[Request], token_ids: list[int], max_tokens: int) -> None:
+        """Makes `token_ids` the output so far of a resumed stream (checked again here, as
+        the frontend did, so that no request can fail a step)."""
+        if len(requests) != 1 or not len(token_ids) < max_tokens:
+            raise ValueError("resume_params: only n = 1, with tokens left to generate")
+        (request,) = requests
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in token_ids):
+            raise ValueError(f"resume_params: token_ids must be in [0, {vocab})")
+        grammar = request.grammar
+        if grammar is not None:
+            if grammar.valid_prefix(token_ids) != len(token_ids):
+                raise ValueError("resume_params: token_ids do not follow the request's grammar")
+            if any(grammar.accept(t) for t in token_ids):
+                raise ValueError("resume_params: the grammar ended within token_ids")
+        request.token_ids.extend(token_ids)
 
     def _check_remote(self, remote, core_request: EngineCoreRequest) -> None:
         """What a handed-over prefill must match here (the frontend checked its signature);

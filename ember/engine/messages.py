@@ -45,6 +45,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     grammar: str | None = None  # an llguidance grammar every output must follow
     kv_transfer: KVTransferParams | None = None  # disaggregation: hold for, or load from
     kv_retention: str | None = None  # "session": the prompt's KV kept as a session's
+    # a stream resumed from another worker (the router's migration): the tokens it had
+    # output there, output here too before anything is sampled (their KV recomputed)
+    resume_token_ids: list[int] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -160,9 +160,15 @@ class OutputProcessor:
         prompt: ProcessedPrompt,
         params: SamplingParams,
         prefilled: RemotePrefill | None = None,
+        resumed: list[int] | None = None,
+        resumed_finish: str | None = None,
     ) -> RequestOutput | None:
         """Starts tracking a request. A request handed over by a prefill worker already has
-        its first tokens: returns the output that carries them (to send at once)."""
+        its first tokens, and a resumed stream the tokens it output on another worker:
+        returns the output that carries them (to send at once). Resumed tokens have no
+        logprobs here: their entries are NaN (the other worker sent theirs). A resumed
+        stream that they end (`resumed_finish`, or a stop string) is not tracked: its
+        output is finished."""
         core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         seqs = [
             SequenceState(i, self.tokenizer, prompt.prompt_token_ids, params, self.special_ids)
@@ -172,6 +178,13 @@ class OutputProcessor:
         self.requests[request_id] = state
         for i, core_id in enumerate(core_ids):
             self.core_ids[core_id] = (state, i)
+        if resumed:
+            logprobs = None if params.logprobs is None else [{t: float("nan")} for t in resumed]
+            state.seqs[0].add(EngineCoreOutput(request_id, resumed, logprobs, resumed_finish, 0))
+            output = state.to_output()
+            if output.finished:
+                self.abort(request_id)
+            return output
         if prefilled is None:
             return None
         logprobs = prefilled.first_logprobs
@@ -197,7 +210,9 @@ class OutputProcessor:
                 continue  # aborted meanwhile
             state, index = entry
             if index == 0:
-                state.num_cached_tokens = max(core.num_cached_tokens, 0)
+                # a resumed stream's hit may reach into its resumed output: prompt tokens only
+                num_prompt = len(state.prompt.prompt_token_ids)
+                state.num_cached_tokens = min(max(core.num_cached_tokens, 0), num_prompt)
                 if core.queue_time is not None:
                     state.queue_time = core.queue_time
                 if core.prompt_logprobs is not None:  # built once, shared by every output

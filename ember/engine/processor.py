@@ -67,14 +67,18 @@ class InputProcessor:
         grammar: str | None = None,
         kv_transfer: KVTransferParams | None = None,
         kv_retention: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> EngineCoreRequest:
         """The message for the core, after checking that prompt and max_tokens fit.
 
         A prefill for a decode worker (`kv_transfer.do_remote_decode`) runs to its first
         token only; when that first token is all the request wants, it is an ordinary
-        request (nothing to hand over).
+        request (nothing to hand over). `resume_token_ids`: a stream resumed from another
+        worker, the tokens output there (they count towards max_tokens).
         """
         max_tokens = self.check(prompt, params)
+        if resume_token_ids is not None:
+            self._check_resume(resume_token_ids, params, max_tokens, kv_transfer)
         if kv_retention not in (None, "session"):
             raise ValueError(f"kv_retention must be 'session' or None, got {kv_retention!r}")
         if kv_transfer is not None and params.n != 1:
@@ -104,7 +108,34 @@ class InputProcessor:
             grammar=grammar,
             kv_transfer=kv_transfer,
             kv_retention=kv_retention,
+            resume_token_ids=resume_token_ids,
         )
+
+    def _check_resume(
+        self, token_ids: list[int], params: SamplingParams, max_tokens: int, kv_transfer
+    ) -> None:
+        if params.n != 1:
+            raise ValueError("resume_params: only a request with n = 1 can be resumed")
+        if kv_transfer is not None:
+            raise ValueError("resume_params: a resumed request runs whole (no kv_transfer_params)")
+        if len(token_ids) > max_tokens:
+            raise ValueError(
+                f"resume_params: {len(token_ids)} tokens are more than max_tokens={max_tokens}"
+            )
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"resume_params: token_ids must be in [0, {self.vocab_size})")
+
+    def resumed_finish(
+        self, token_ids: list[int] | None, params: SamplingParams, max_tokens: int
+    ) -> str | None:
+        """How a resumed stream's tokens ended it already ("stop", "length"), if they did
+        (its worker failed between its last tokens and its finish_reason)."""
+        if not token_ids:
+            return None
+        last = token_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return "stop"
+        return "length" if len(token_ids) >= max_tokens else None
 
     def check(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
         """Checks that the prompt and max_tokens fit the context and that the parameters'

@@ -20,6 +20,7 @@ from ember.router.forward import (
     no_workers,
     to_any_worker,
 )
+from ember.router.migrate import Migration
 from ember.router.policy import Pools, Router
 from ember.router.state import RouterState
 from ember.server.errors import MESSAGES_PATH, error_body
@@ -31,12 +32,14 @@ def build_router_app(
     health_interval: float = 1.0,
     access: Access | None = None,
     cluster_secret: bytes | None = None,
+    migration: Migration | None = None,
 ) -> FastAPI:
     """`access`: what clients must show (checked here, never by the workers);
-    `cluster_secret`: the router's token for its workers."""
+    `cluster_secret`: the router's token for its workers (and what moving a stream
+    needs); `migration`: how streams move when their worker fails."""
     if isinstance(pools, Router):
         pools = Pools(mixed=pools)
-    state = RouterState(pools, health_interval, cluster_secret)
+    state = RouterState(pools, health_interval, cluster_secret, migration or Migration())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

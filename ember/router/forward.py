@@ -45,12 +45,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import secrets
 
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ember.headers import PREFILL_HEADER, RESPONSE_ID_HEADER, SESSION_HEADER, WORKER_HEADER
+from ember.headers import (
+    PREFILL_HEADER,
+    RESPONSE_ID_HEADER,
+    SESSION_HEADER,
+    STREAM_TOKENS_HEADER,
+    WORKER_HEADER,
+)
+from ember.router.migrate import Leg, Splice, movable, moving_events, stream_end
 from ember.router.policy import Decision, Router, Worker
 from ember.router.state import RouterState
 from ember.server.errors import (
@@ -156,6 +164,14 @@ class _Call:
         self.headers = {**client_headers(request), **state.worker_headers}
         self.text = _prompt_text(body)
         self.num_failures = 0  # workers that died with this request on them
+        # a stream the router moves when its worker fails (`migrate.py`): it asks for the
+        # token trail, and gives an unseeded stream a seed so the next worker draws alike
+        self.movable = movable(path, body, _disaggregable(body), state.cluster_secret)
+        if self.movable and body.get("seed") is None:
+            self.body = body = dict(body, seed=secrets.randbits(63))
+            self.raw = json.dumps(body).encode()
+        trail = {STREAM_TOKENS_HEADER: "1"} if self.movable else {}
+        self.stream_headers = {**self.headers, **trail}
         # a /v1/responses turn goes where the response it continues is stored
         previous = body.get("previous_response_id")
         self.pinned = state.response_homes.get(previous) if isinstance(previous, str) else None
@@ -171,8 +187,30 @@ class _Call:
 
     async def whole(self, router: Router, raw=None, extra=None, fallback: Worker | None = None):
         """Runs the request on one worker of `router`'s pool (or, when none is left,
-        `fallback`), retrying on another while a worker is unreachable; relays its response."""
-        state, tried = self.state, set()
+        `fallback`), retrying on another while a worker is unreachable; relays its response
+        (a movable stream through `moving_events`)."""
+        opened = await self._open(router, raw or self.raw, set(), fallback)
+        if isinstance(opened, Response):
+            return opened
+        router, decision, upstream = opened
+        headers = self._response_headers(decision.worker, extra)
+        media_type = upstream.headers.get("content-type", "application/json")
+        if self.movable and upstream.status_code == 200 and "event-stream" in media_type:
+            state = self.state
+            events = moving_events(
+                self._leg(router, decision, upstream),
+                self._reopen,
+                state.migration,
+                lambda tail: state.record_usage(_usage(tail)),
+            )
+            return StreamingResponse(events, 200, headers=headers, media_type=media_type)
+        return _relay(self.state, router, decision, upstream, headers, self.path)
+
+    async def _open(self, router: Router, raw: bytes, tried: set[str], fallback=None, reason=None):
+        """(pool, decision, response) of the first worker of `router`'s pool (or
+        `fallback`) that takes the request, the others tried left out of it and added to
+        `tried`; or the Response that ends the request. `reason`: the decisions' own."""
+        state = self.state
         while True:
             decision = router.choose(
                 self.text, self.max_tokens, self.session_id, tried, self.pinned
@@ -181,12 +219,13 @@ class _Call:
                 decision = Decision(fallback, "fallback", self.max_tokens, [])
             elif decision is None:
                 return no_workers(self.path)
-            elif tried:
-                decision = Decision(decision.worker, "retry", decision.cost, decision.hashes)
+            elif tried or reason:
+                reason = reason or "retry"
+                decision = Decision(decision.worker, reason, decision.cost, decision.hashes)
             state.decide(decision, router.workers[0].kind)
             router.start(decision)
             try:
-                upstream = await self._send(decision, raw or self.raw, stream=True)
+                upstream = await self._send(decision, raw, True, self.stream_headers)
             except httpx.TransportError as exc:
                 if self._may_retry(exc):
                     self._worker_down(router, decision, f"unreachable ({exc!r})", tried)
@@ -204,8 +243,37 @@ class _Call:
                                 media_type="application/json")  # fmt: skip
             if response_id := upstream.headers.get(RESPONSE_ID_HEADER):
                 state.remember_response(response_id, decision.worker.url)
-            headers = self._response_headers(decision.worker, extra)
-            return _relay(state, router, decision, upstream, headers, self.path)
+            return router, decision, upstream
+
+    def _leg(self, router: Router, decision: Decision, upstream: httpx.Response) -> Leg:
+        async def end(failed: bool) -> None:
+            await upstream.aclose()
+            router.finish(decision)
+            if failed:  # the health loop brings it back once it answers again
+                decision.worker.healthy = False
+
+        return Leg(upstream, decision.worker.url, end)
+
+    async def _reopen(self, splice: Splice, tried: set[str]) -> Leg | bytes | None:
+        """The next worker's leg of a moved stream (`migrate.py`): its last events when the
+        worker refused it, None when there is no worker to take it."""
+        if splice.num_events == 0:  # the client has had nothing: start afresh
+            raw = self.raw
+        else:
+            raw = json.dumps(dict(self.body, resume_params=splice.resume_params())).encode()
+        pool = self.state.pools.for_whole_requests()
+        opened = await self._open(pool, raw, tried, reason="migrate")
+        if isinstance(opened, Response):
+            return (
+                None if opened.status_code == 503 else stream_end(opened.status_code, opened.body)
+            )
+        router, decision, upstream = opened
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            router.finish(decision)
+            return stream_end(upstream.status_code, content)
+        return self._leg(router, decision, upstream)
 
     async def disaggregated(self):
         """Prefill on one worker, decode on another; None when no prefill worker is up
@@ -222,7 +290,7 @@ class _Call:
             state.decide(decision, "prefill")
             pools.prefill.start(decision)
             try:
-                response = await self._send(decision, prefill_raw.encode(), stream=False)
+                response = await self._send(decision, prefill_raw.encode(), False, self.headers)
             except httpx.TransportError as exc:
                 if self._may_retry(exc):
                     self._worker_down(pools.prefill, decision, f"unreachable ({exc!r})", tried)
@@ -247,20 +315,20 @@ class _Call:
         extra = {PREFILL_HEADER: prefill_url}
         return await self.whole(pools.decode, decode_raw, extra, fallback=decision.worker)
 
-    async def _send(self, decision: Decision, raw: bytes, stream: bool) -> httpx.Response:
+    async def _send(self, decision: Decision, raw: bytes, stream: bool, headers) -> httpx.Response:
         request = self.state.client.build_request(
-            "POST", f"{decision.worker.url}{self.path}", content=raw, headers=self.headers
+            "POST", f"{decision.worker.url}{self.path}", content=raw, headers=headers
         )
         return await self.state.client.send(request, stream=stream)
 
     def _may_retry(self, exc: httpx.TransportError) -> bool:
         """A request that never reached a worker is retried; one that reached a worker that
-        then died before answering (killed, restarted) is retried once: it may be what
-        killed the worker, and must not take down every worker in turn."""
+        then died before answering (killed, restarted) is sent again up to --max-migrations
+        times: it may be what killed the worker, and must not take down every worker."""
         if _never_reached(exc):
             return True
         self.num_failures += 1
-        return self.num_failures == 1
+        return self.num_failures <= self.state.migration.max_migrations
 
     def _response_headers(self, worker: Worker, extra: dict | None = None) -> dict[str, str]:
         headers = {WORKER_HEADER: worker.url, **(extra or {})}

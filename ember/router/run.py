@@ -10,6 +10,7 @@ import argparse
 import logging
 
 from ember import envs
+from ember.router.migrate import DEFAULT_MAX_MIGRATIONS, DEFAULT_STALL_TIMEOUT_S, Migration
 from ember.server.args import add_access_args
 
 logger = logging.getLogger("ember.router")
@@ -32,7 +33,24 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-factor", type=float, default=1.25,
                         help="a worker over this x the mean load takes no affinity or "
                              "prefix traffic (default 1.25)")  # fmt: skip
+    add_migration_args(parser)
     add_access_args(parser)
+
+
+def add_migration_args(parser: argparse.ArgumentParser) -> None:
+    """How the router moves a stream whose worker fails (`ember router`, `ember up`)."""
+    parser.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
+                        help="move a stream whose worker fails (or re-send a request) at "
+                             f"most this many times (default {DEFAULT_MAX_MIGRATIONS}; "
+                             "0: never)")  # fmt: skip
+    parser.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                        metavar="S", help="move a stream whose worker sends nothing for S "
+                        f"seconds after its first token (default {DEFAULT_STALL_TIMEOUT_S:g}; "
+                        "0: never)")  # fmt: skip
+
+
+def migration_of(args: argparse.Namespace) -> Migration:
+    return Migration(args.max_migrations, args.stall_timeout or None)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -50,7 +68,11 @@ def run_router(args: argparse.Namespace) -> int:
         raise ValueError("--load-factor must be >= 1")
     pools = Pools.from_urls(args.mixed, args.prefill, args.decode, args.load_factor, args.policy)
     access = access_of(args)  # what clients show; workers see the router's token instead
-    app = build_router_app(pools, args.health_interval, access, envs.cluster_secret())
+    secret = envs.cluster_secret()
+    if secret is None and args.max_migrations:
+        logger.warning("streams are not moved when a worker fails: that needs the workers "
+                       "and the router to share $EMBER_CLUSTER_SECRET")  # fmt: skip
+    app = build_router_app(pools, args.health_interval, access, secret, migration_of(args))
     logger.info("routing http://%s:%d -> mixed %s, prefill %s, decode %s", args.host, args.port,
                 args.mixed, args.prefill, args.decode)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)

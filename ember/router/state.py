@@ -15,6 +15,7 @@ from prometheus_client import Counter as PromCounter
 
 from ember import cluster
 from ember.headers import ROUTER_TOKEN_HEADER
+from ember.router.migrate import Migration
 from ember.router.policy import Decision, Pools
 
 logger = logging.getLogger("ember.router")
@@ -24,10 +25,16 @@ MAX_RESPONSE_HOMES = 100_000
 
 class RouterState:
     def __init__(
-        self, pools: Pools, health_interval: float, cluster_secret: bytes | None = None
+        self,
+        pools: Pools,
+        health_interval: float,
+        cluster_secret: bytes | None = None,
+        migration: Migration | None = None,
     ) -> None:
         self.pools = pools
         self.health_interval = health_interval
+        self.cluster_secret = cluster_secret
+        self.migration = migration or Migration()
         # what the router shows its workers: its token, when it has the cluster secret
         self.worker_headers = (
             {ROUTER_TOKEN_HEADER: cluster.router_token(cluster_secret)} if cluster_secret else {}

@@ -39,6 +39,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ember.router.run import add_migration_args
 from ember.server.args import access_of, add_access_args, add_parser_args, add_queue_args
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-restarts", type=int, default=5,
                         help="start a worker that exits again, at most this many times "
                              "(default 5; 0: leave it down)")  # fmt: skip
+    add_migration_args(parser)
     add_access_args(parser)
     add_queue_args(parser)
     add_parser_args(parser)
@@ -82,7 +84,9 @@ def server_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         worker += ["--max-queued-requests", str(args.max_queued_requests)]
     worker += ["--tool-call-parser", args.tool_call_parser]
     worker += ["--reasoning-parser", args.reasoning_parser]
-    return worker, shared
+    router = [*shared, "--max-migrations", str(args.max_migrations)]
+    router += ["--stall-timeout", str(args.stall_timeout)]
+    return worker, router
 
 
 # options on by default, whose flags turn them off

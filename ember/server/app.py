@@ -15,13 +15,14 @@ aborts its engine requests (their KV blocks are freed at once).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ember.engine.async_llm import AsyncLLM
-from ember.headers import RESPONSE_ID_HEADER, SESSION_HEADER
+from ember.headers import RESPONSE_ID_HEADER, SESSION_HEADER, STREAM_TOKENS_HEADER
 from ember.server.errors import APIError, error_body, install_error_handlers
 from ember.server.guard import Access, Guard
 from ember.server.limits import DEFAULT_STORE_CHARS
@@ -29,6 +30,7 @@ from ember.server.metrics import ServerMetrics
 from ember.server.parsers import ChatParsers
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
 from ember.server.protocol_responses import ResponsesRequest
+from ember.server.resume import resume_of
 from ember.server.serving import RequestContext, kv_transfer_of
 from ember.server.serving_chat import ChatServing
 from ember.server.serving_completion import CompletionServing
@@ -162,6 +164,8 @@ def build_app(
 async def _serve(serving, body, request: Request):
     secret = request.app.state.cluster_secret
     ctx = _context(request, body.cache_salt, kv_transfer_of(body, secret), body.kv_retention)
+    trail = request.headers.get(STREAM_TOKENS_HEADER) == "1"
+    ctx = dataclasses.replace(ctx, resume=resume_of(body, secret), trail=trail)
     return await _respond(serving.create(body, ctx), request)
 
 

@@ -39,6 +39,9 @@ _TYPES = {
 
 # the code of a 503 that refused a request before starting it (a router may retry it)
 ENGINE_NOT_RUNNING = "engine_not_running"
+# the code of a stream's error event when its engine stopped mid-way (died, or the server
+# is shutting down): a router moves the stream to another worker
+ENGINE_STOPPED = "engine_stopped"
 
 MESSAGES_PATH = "/v1/messages"  # the Anthropic Messages API: errors in Anthropic's shape
 ERROR_CODE_HEADER = "x-ember-error-code"  # an Anthropic-shaped error's ember code

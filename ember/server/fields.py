@@ -104,6 +104,7 @@ FIELDS: tuple[RequestField, ...] = (
     _honoured("cache_salt", BOTH, "vLLM's; keeps a tenant's prefix cache apart"),
     _honoured("kv_retention", BOTH, "ember's; 'session' keeps the KV as a session's"),
     _honoured("kv_transfer_params", BOTH, "ember's router sets it; clients cannot"),
+    _honoured("resume_params", BOTH, "ember's router sets it (a moved stream); clients cannot"),
     _honoured("prompt_logprobs", COMPLETIONS, "vLLM's; computes the whole prompt (no cache)"),
     _refused("prompt_logprobs", CHAT, 1),
     _refused("use_beam_search", BOTH, True, (False,)),

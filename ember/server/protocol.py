@@ -154,6 +154,8 @@ class _Sampling(RequestModel):
     # disaggregation, set by `ember router`: {"do_remote_decode": true} to a prefill
     # worker, the prefill's answer ({"remote_prefill": ...}) to a decode worker
     kv_transfer_params: dict | None = None
+    # set by `ember router` only: a stream moved here from a failed worker (server/resume.py)
+    resume_params: dict | None = None
     logit_bias: dict[TokenIdKey, Bias] | None = None
     min_tokens: int | None = _bounded("min_tokens")
     prompt_logprobs: int | None = _bounded("prompt_logprobs")  # completions only

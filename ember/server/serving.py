@@ -26,8 +26,9 @@ from ember.engine.processor import ProcessedPrompt
 from ember.kv.params import KVTransferParams, decode_params
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
-from ember.server.errors import ENGINE_NOT_RUNNING, APIError, error_body
+from ember.server.errors import ENGINE_NOT_RUNNING, ENGINE_STOPPED, APIError, error_body
 from ember.server.metrics import ServerMetrics
+from ember.server.resume import ResumeParams
 
 _encode = msgspec.json.Encoder().encode
 logger = logging.getLogger("ember.server")
@@ -43,6 +44,8 @@ class RequestContext:
     cache_salt: str | None = None
     kv_transfer: KVTransferParams | None = None
     kv_retention: str | None = None  # "session": keep the prompt's KV as a session's
+    resume: ResumeParams | None = None  # a stream moved here from another worker
+    trail: bool = False  # the router asked for the stream's token trail (`resume.py`)
     # called with each engine output before the endpoint answers from it: what an API
     # layered on another endpoint reads there (usage, the stop string that matched)
     observe: Callable[[RequestOutput], None] | None = None
@@ -153,6 +156,7 @@ class ServingBase:
                     grammar=grammar,
                     kv_transfer=ctx.kv_transfer,
                     kv_retention=ctx.kv_retention,
+                    resume_token_ids=None if ctx.resume is None else ctx.resume.token_ids,
                 )
                 streams.append(stream)
         except BaseException as exc:
@@ -331,6 +335,6 @@ def sse_error(exc: BaseException) -> bytes:
     if isinstance(exc, ValueError):
         return sse(APIError.bad_request(exc).body())
     if isinstance(exc, EngineDeadError):
-        return sse(error_body(503, str(exc) or type(exc).__name__))
+        return sse(error_body(503, str(exc) or type(exc).__name__, None, ENGINE_STOPPED))
     logger.error("stream failed", exc_info=exc)
     return sse(error_body(500, "internal error; the request was aborted"))

@@ -18,6 +18,7 @@ from ember.server.errors import APIError
 from ember.server.parsers import ChatParsers, OutputParser, ParsedText, merge_calls, resolve_parsers
 from ember.server.parsers.base import ToolCallDelta, new_call_id
 from ember.server.protocol import ChatCompletionRequest
+from ember.server.resume import TokenTrail
 from ember.server.serving import (
     SSE_DONE,
     RequestContext,
@@ -98,7 +99,7 @@ class ChatServing(ServingBase):
             running = (
                 RunningUsage(len(prompt.prompt_token_ids)) if request.continuous_usage else None
             )
-            return self._stream(request, request_id, params, texts, stream, running)
+            return self._stream(request, request_id, params, texts, stream, ctx, running)
         (final,) = await self.collect([stream])
         response = {
             "id": request_id,
@@ -159,28 +160,43 @@ class ChatServing(ServingBase):
         return {"token": text, "logprob": value, "bytes": list(text.encode())}
 
     async def _stream(
-        self, request, request_id, params, texts, stream, running: RunningUsage | None = None
+        self, request, request_id, params, texts, stream, ctx: RequestContext, running=None
     ) -> AsyncIterator[bytes]:
-        created = now()
+        """The SSE events; a resumed stream (`resume.py`) goes on from its resumed tokens
+        under its first worker's id, without a role chunk."""
+        resume = ctx.resume
+        created = now() if resume is None else resume.created
+        request_id = request_id if resume is None else resume.id
         n, num_top = params.n, params.logprobs or 0
+        trail = TokenTrail(ctx.trail and n == 1, 0 if resume is None else len(resume.token_ids))
+        replaying = resume is not None and bool(resume.token_ids)
         ended: set[int] = set()
 
-        def chunk(index, delta, finish=None, logprobs=None, kv=None):
+        def chunk(index, delta, finish=None, logprobs=None, kv=None, token_ids=()):
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = self.chunk("chat.completion.chunk", request_id, created, [choice])
             if running is not None:
                 body["usage"] = running.block()
             if kv is not None:
                 body["kv_transfer_params"] = kv
-            return sse(body)
+            return trail.mark(sse(body), token_ids)
 
-        for i in range(n):
+        for i in range(n if resume is None else 0):
             yield chunk(i, {"role": "assistant", "content": ""})
         final = None
         try:
             async for final in stream:
                 if running is not None:
                     running.update(0, final)
+                if replaying:  # the resumed tokens: their text was sent by another worker
+                    replaying = False
+                    for seq in final.outputs:
+                        text = texts[seq.index]
+                        text.feed(seq.delta_text, False)
+                        if seq.finished:  # they had ended it: only the finish chunk is due
+                            ended.add(seq.index)
+                            yield chunk(seq.index, {}, text.finish_reason(seq.finish_reason))
+                    continue
                 for seq in final.outputs:
                     if seq.index in ended or not (seq.delta_text or seq.finished):
                         continue
@@ -195,11 +211,12 @@ class ChatServing(ServingBase):
                         delta["tool_calls"] = [c.to_openai() for c in parsed.calls]
                     logprobs = self._logprobs(seq.delta_logprobs, num_top)
                     if delta or logprobs:
-                        yield chunk(seq.index, delta, logprobs=logprobs)
+                        yield chunk(seq.index, delta, logprobs=logprobs, token_ids=seq.token_ids)
                     if seq.finished:
                         ended.add(seq.index)
                         reason = text.finish_reason(seq.finish_reason)
-                        yield chunk(seq.index, {}, reason, kv=self.handed_over(final))
+                        kv = self.handed_over(final)
+                        yield chunk(seq.index, {}, reason, kv=kv, token_ids=seq.token_ids)
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event
             yield sse_error(exc)
             yield SSE_DONE

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.server.errors import APIError
 from ember.server.protocol import CompletionRequest
+from ember.server.resume import TokenTrail
 from ember.server.serving import (
     SSE_DONE,
     RequestContext,
@@ -40,13 +41,17 @@ class CompletionServing(ServingBase):
             raise APIError.bad_request(exc) from None
         if ctx.kv_transfer is not None and len(prompts) != 1:
             raise APIError(400, "kv_transfer_params needs exactly one prompt", "prompt")
+        if ctx.resume is not None:
+            if len(prompts) != 1:
+                raise APIError(400, "resume_params needs exactly one prompt", "prompt")
+            params.prompt_logprobs = None  # sent with the stream's first chunk already
         processed = [await self.check_prompt(p, params) for p in prompts]
         request_id = new_id("cmpl")
         streams = self.start({f"{request_id}-{i}": p for i, p in enumerate(processed)}, params, ctx)
         if request.stream:
             num_prompt_tokens = sum(len(p.prompt_token_ids) for p in processed)
             running = RunningUsage(num_prompt_tokens) if request.continuous_usage else None
-            return self._stream(request, request_id, params, streams, running)
+            return self._stream(request, request_id, params, streams, ctx, running)
         finals = await self.collect(streams)
         num_top = params.logprobs or 0
         choices = [
@@ -131,17 +136,36 @@ class CompletionServing(ServingBase):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
 
     async def _stream(
-        self, request, request_id, params, streams, running: RunningUsage | None
+        self, request, request_id, params, streams, ctx: RequestContext, running
     ) -> AsyncIterator[bytes]:
-        created = now()
+        """The SSE events; a resumed stream (`resume.py`) goes on from its resumed tokens
+        under its first worker's id, its prompt parts not sent again."""
+        resume = ctx.resume
+        created = now() if resume is None else resume.created
+        request_id = request_id if resume is None else resume.id
         n, num_top = params.n, params.logprobs or 0
+        one = n == 1 and len(streams) == 1
+        trail = TokenTrail(ctx.trail and one, 0 if resume is None else len(resume.token_ids))
+        replaying = resume is not None and bool(resume.token_ids)
         finals: dict[int, RequestOutput] = {}
         ended: set[int] = set()  # choices whose finish_reason was sent
-        started: set[int] = set()  # choices that had a chunk (with the prompt parts)
+        # choices that had a chunk (with the prompt parts)
+        started: set[int] = set() if resume is None else {0}
         try:
             async for prompt_index, output in merge(streams):
                 if running is not None:
                     running.update(prompt_index, output)
+                if replaying:  # the resumed tokens: their text was sent by another worker
+                    replaying = False
+                    if output.finished:  # they had ended it: only the finish is due
+                        seq = output.outputs[0]
+                        finish = self._choice(0, seq, "", None, seq.finish_reason, num_top)
+                        body = self.chunk("text_completion", request_id, created, [finish])
+                        if running is not None:
+                            body["usage"] = running.block()
+                        yield sse(body)
+                        finals[prompt_index] = output
+                    continue
                 for seq in output.outputs:
                     index = prompt_index * n + seq.index
                     if index in ended or not (seq.delta_text or seq.delta_logprobs or seq.finished):
@@ -161,7 +185,7 @@ class CompletionServing(ServingBase):
                         body["usage"] = running.block()
                     if seq.finished and (kv := self.handed_over(output)) is not None:
                         body["kv_transfer_params"] = kv
-                    yield sse(body)
+                    yield trail.mark(sse(body), seq.token_ids)
                 if output.finished:
                     finals[prompt_index] = output
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event

@@ -1,0 +1,242 @@
+"""Live stream migration: a stream whose worker fails goes on from another worker.
+
+A stream the router can move (chat or completions, one sequence of one prompt, and the
+cluster secret, which workers need to take `resume_params`) is relayed event by event
+rather than byte by byte. Its worker sends each event with the token ids it is the text
+of (the token trail, `ember.server.resume`); the router strips them and keeps, in a
+`Splice`, what the client has been sent: the tokens, the stream's id and `created`,
+whether a `finish_reason` went out.
+
+The worker fails when its connection breaks (killed, its host gone), when it ends the
+stream with an `engine_stopped` error event (its engine died, or it is shutting down),
+when the stream ends without `[DONE]`, or when no event comes for `--stall-timeout`
+seconds once this worker has sent a token (the wait for a first token, a prefill that may
+be long, is not timed). The router then closes that stream (a live worker aborts the
+request), takes the worker out of its pool unless it only stalled, and sends the request
+to another worker with `resume_params` (the tokens so far): the new stream's events
+follow the ones already sent, under the same id, with no repeated or missing token, and
+its final usage counts the whole request. A stream is moved at most `--max-migrations`
+times (a request that kills every worker it lands on must not take down the cluster);
+one that cannot be moved (no worker left, the limit reached, its `finish_reason` already
+sent) ends with an error event and `[DONE]`, as before.
+
+Unseeded sampling moves too: the router gives a movable stream that has no `seed` one of
+its own, so the new worker draws the tokens the first would have drawn (ember's draws
+depend on the seed and the token's position only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from ember.server.errors import ENGINE_STOPPED, error_body
+from ember.server.resume import TRAIL_PREFIX
+
+logger = logging.getLogger("ember.router")
+
+MOVABLE_PATHS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_MAX_MIGRATIONS = 2
+DEFAULT_STALL_TIMEOUT_S = 30.0
+_TAIL = 4096  # bytes of the stream kept for its usage
+
+
+@dataclass(frozen=True)
+class Migration:
+    """How the router moves streams: at most `max_migrations` times each, and after
+    `stall_timeout` seconds without an event (None: never for a stall)."""
+
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError("--max-migrations must be >= 0")
+        if self.stall_timeout is not None and self.stall_timeout <= 0:
+            raise ValueError("--stall-timeout must be > 0 (or 0 for none)")
+
+
+def movable(path: str, body: dict, one_sequence: bool, secret: bytes | None) -> bool:
+    """Whether the router can move this request's stream to another worker."""
+    streamed = body.get("stream") is True
+    return secret is not None and path in MOVABLE_PATHS and streamed and one_sequence
+
+
+class Splice:
+    """What the client has had of a stream: complete events pass through `feed`, their
+    token trails are taken off and kept."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.response_id: str | None = None
+        self.created: int | None = None
+        self.num_events = 0  # sent to the client
+        self.finished = False  # a finish_reason was sent: nothing is left to move
+        self.done = False  # [DONE] came
+        self.engine_stopped = False  # the worker's engine stopped mid-stream
+        self.tail = b""  # the last bytes sent (the final usage is there)
+        self._pending = b""
+
+    def restart(self) -> None:
+        """A new worker's stream begins (what was half read of the last one is dropped)."""
+        self._pending = b""
+        self.engine_stopped = False
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The complete events in `chunk` (with what came before) that go to the client."""
+        self._pending += chunk
+        *events, self._pending = self._pending.split(b"\n\n")
+        out = []
+        for event in events:
+            event = self._take(event)
+            if event is not None:
+                out.append(event)
+                self.tail = (self.tail + event)[-_TAIL:]
+        return out
+
+    def resume_params(self) -> dict:
+        return {"token_ids": self.token_ids, "id": self.response_id, "created": self.created}
+
+    def _take(self, event: bytes) -> bytes | None:
+        trail: list[int] = []
+        if event.startswith(TRAIL_PREFIX):
+            line, _, event = event.partition(b"\n")
+            trail = [int(t) for t in line[len(TRAIL_PREFIX) :].split(b",")]
+        if not event:
+            return None
+        data = event[6:] if event.startswith(b"data: ") else b""
+        if data == b"[DONE]":
+            self.done = True
+        elif data.startswith(b'{"error"'):
+            if _error_code(data) == ENGINE_STOPPED:  # not the client's: the stream moves
+                self.engine_stopped = True
+                return None
+        elif data.startswith(b"{"):
+            if self.response_id is None:
+                with contextlib.suppress(ValueError, TypeError):
+                    head = json.loads(data)
+                    self.response_id, self.created = head["id"], head["created"]
+            # the workers' compact JSON: an unescaped quote cannot come from inside a string
+            self.finished = self.finished or b'"finish_reason":"' in data
+        self.token_ids.extend(trail)
+        self.num_events += 1
+        return event + b"\n\n"
+
+
+def _error_code(data: bytes) -> str | None:
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        return json.loads(data)["error"]["code"]
+    return None
+
+
+class _Stalled(Exception):
+    pass
+
+
+@dataclass
+class Leg:
+    """One worker's part of a stream: its response, and what to do once it is over."""
+
+    upstream: httpx.Response
+    url: str
+    end: Callable[[bool], Awaitable[None]]  # (the worker failed) -> close, release, mark
+
+
+# what opens the next leg: (the splice so far, the workers to avoid) -> a leg; the events
+# that end the client's stream when the next worker refused it; None when no worker is left
+Reopen = Callable[[Splice, set[str]], Awaitable["Leg | bytes | None"]]
+
+
+async def moving_events(
+    leg: Leg, reopen: Reopen, migration: Migration, record_usage: Callable[[bytes], None]
+) -> AsyncIterator[bytes]:
+    """The client's events of a stream that moves to another worker when its own fails."""
+    splice, tried, moves = Splice(), {leg.url}, 0
+    try:
+        while True:
+            why, stalled = None, False
+            start = len(splice.token_ids)
+            try:
+                async with contextlib.aclosing(
+                    _chunks(leg.upstream, migration.stall_timeout, splice, start)
+                ) as chunks:
+                    async for chunk in chunks:
+                        for event in splice.feed(chunk):
+                            yield event
+                        if splice.engine_stopped:
+                            why = "its engine stopped"
+                            break
+                    else:
+                        if not splice.done:
+                            why = "its stream ended early"
+            except _Stalled:
+                why, stalled = f"sent nothing for {migration.stall_timeout:g} s", True
+            except httpx.HTTPError as exc:
+                why = f"failed mid-stream ({type(exc).__name__})"
+            if why is None:
+                return
+            ended, leg = leg, None
+            await ended.end(not stalled)  # a stalled worker stays in its pool
+            if splice.finished or moves >= migration.max_migrations:
+                logger.warning("worker %s %s; the stream ends there", ended.url, why)
+                yield _lost_stream(why, moves, "no moves were left")
+                return
+            logger.warning("worker %s %s; moving its stream", ended.url, why)
+            moves += 1
+            splice.restart()
+            opened = await reopen(splice, tried)
+            if opened is None:
+                logger.warning("no worker could take the stream of worker %s", ended.url)
+                yield _lost_stream(why, moves - 1, "no other worker could take it")
+                return
+            if isinstance(opened, bytes):
+                yield opened
+                return
+            leg = opened
+            tried.add(leg.url)
+    finally:
+        if leg is not None:
+            await leg.end(False)
+        record_usage(splice.tail)
+
+
+async def _chunks(upstream: httpx.Response, timeout, splice: Splice, start: int):
+    """The response's bytes; `_Stalled` when none come for `timeout` seconds after this
+    leg's first token (`start`: the tokens the splice had when it began)."""
+    chunks = upstream.aiter_raw().__aiter__()
+    while True:
+        wait = timeout if timeout is not None and len(splice.token_ids) > start else None
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), wait)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _Stalled from None
+        yield chunk
+
+
+def _lost_stream(reason: str, moves: int, because: str) -> bytes:
+    """The last events of a stream that could not go on."""
+    message = f"the worker {reason}; the stream was not moved on: {because} ({moves} moves made)"
+    event = json.dumps(error_body(502, message, None, "worker_failed"))
+    return f"data: {event}\n\ndata: [DONE]\n\n".encode()
+
+
+def stream_end(status: int, content: bytes) -> bytes:
+    """The last events of a moved stream whose new worker refused it (`content`: its
+    error body, relayed when it is one)."""
+    try:
+        body = json.loads(content)
+        if not isinstance(body, dict) or "error" not in body:
+            raise ValueError
+    except ValueError:
+        body = error_body(
+            502, f"the stream could not be moved (HTTP {status})", None, "worker_failed"
+        )
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
