@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,35 @@ def test_a_killed_engine_core_fails_live_and_new_requests(async_llm):
 
     assert asyncio.run(main()) == (False, True, False)
     assert async_llm.dead
+
+
+@pytest.mark.parametrize("stop_at", ["backoff", "loading", "restarted"])
+def test_a_restarted_core_serves_and_a_shutdown_at_any_moment_leaves_nothing(
+    tiny_checkpoint, stop_at
+):
+    from server_utils import child_pids
+
+    engine = AsyncLLM(str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24, restarts=2)
+    try:
+        expected = asyncio.run(collect(engine, PROMPT, GREEDY))[-1].outputs[0].token_ids
+        first = engine.client
+        first.process.kill()
+        deadline = time.monotonic() + 60
+        while not engine.dead:  # noticed within the reader's poll
+            time.sleep(0.01)
+        while stop_at != "backoff" and engine.client is first and not child_pids(os.getpid()):
+            time.sleep(0.01)  # loading: the new core's process is up, not yet ready
+        while stop_at == "restarted" and engine.dead:
+            assert time.monotonic() < deadline, "the core did not restart"
+            time.sleep(0.05)
+        if stop_at == "restarted":
+            again = asyncio.run(collect(engine, PROMPT, GREEDY))[-1].outputs[0].token_ids
+            assert again == expected and engine.num_restarts == 1
+        else:
+            assert engine.dead and engine.restarting
+    finally:
+        engine.shutdown()
+    assert not child_pids(os.getpid())  # the core, old or new, is gone
 
 
 def _environ(pid: int) -> dict[str, str]:

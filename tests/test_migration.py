@@ -237,6 +237,9 @@ def test_a_stream_whose_worker_stalls_or_whose_engine_dies_moves(mixed):
     got, first = read_stream(mixed.url, LONG_STREAM, kill_engine)
     assert_same_stream(got, want)
     assert mixed.load()["decisions"]["migrate"] == moves + 2
+    wait_healthy(mixed, first)  # its API process restarted the engine; the router re-admits it
+    assert mixed.worker_load(first)["engine_restarts"] == 1
+    mixed.wait_no_blocks()
 
 
 def wait_healthy(cluster, url: str, timeout: float = 60.0) -> None:

@@ -7,6 +7,8 @@ offline engine on the same checkpoint, usage numbers are checked exactly.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -363,24 +365,45 @@ def test_queue_limit_answers_429(tiny_checkpoint):
         assert srv.stop() == 0
 
 
-def test_dead_engine_gives_503_and_sigterm_leaves_nothing(tiny_checkpoint):
+def test_a_dead_engine_is_restarted_with_503s_meanwhile(tiny_checkpoint):
     srv = EmberServer(str(tiny_checkpoint("llama")), *KV)
     core_pid = srv.core_pid
     try:
-        import os
-        import signal
-
-        os.kill(core_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{srv.url}/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        health = httpx.get(f"{srv.url}/health")
-        assert health.status_code == 503 and "error" in health.json()
+        body = {"prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 2:
+                        os.kill(core_pid, signal.SIGKILL)
+        assert events[-1] == "data: [DONE]"  # the stream in flight ends with a clear error
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "engine_stopped" and "restarting" in error["message"]
+        health = httpx.get(f"{srv.url}/health")  # the first restart waits 1 s
+        assert health.status_code == 503 and "restarting" in health.json()["error"]["message"]
         response = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi"})
         assert response.status_code == 503
-        assert response.json()["error"]["type"] == "service_unavailable"
+        assert response.json()["error"]["code"] == "engine_not_running"  # a router retries
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{srv.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.1)
+        response = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert response.status_code == 200
+        assert srv.load()["engine_restarts"] == 1
+        assert "ember_engine_restarts{" in httpx.get(f"{srv.url}/metrics").text
+        (new_core,) = child_pids(srv.process.pid)
+        assert new_core != core_pid and not pid_alive(core_pid)
     finally:
         assert srv.stop() == 0
+    assert not child_pids(srv.process.pid)
+
+
+def test_with_no_restart_left_a_dead_engine_ends_the_server(tiny_checkpoint):
+    srv = EmberServer(str(tiny_checkpoint("llama")), *KV, "--engine-restarts", "0")
+    os.kill(srv.core_pid, signal.SIGKILL)
+    assert srv.process.wait(30) == 1  # a supervisor (ember up, Kubernetes) starts it again
     assert not child_pids(srv.process.pid)
 
 

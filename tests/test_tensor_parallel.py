@@ -272,7 +272,8 @@ def test_rank_worker_exits_with_its_parent(tmp_path: Path) -> None:
 def test_serve_with_two_ranks_and_a_rank_killed(tiny_checkpoint) -> None:
     """`ember serve --tensor-parallel-size 2` answers as one process does; with its rank
     killed, requests get a 503 error body, /health says so, the core process and its
-    rank are gone (a router then sends the sessions to its other workers)."""
+    rank are gone (a router then sends the sessions to its other workers); then the API
+    process starts the engine and its ranks again, and it answers as before."""
     import httpx
 
     from server_utils import EmberServer, child_pids, pid_alive
@@ -295,8 +296,15 @@ def test_serve_with_two_ranks_and_a_rank_killed(tiny_checkpoint) -> None:
         while pid_alive(server.core_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not pid_alive(server.core_pid) and not pid_alive(rank)
+        deadline = time.monotonic() + 120  # the API process starts the engine and its ranks again
+        while httpx.get(f"{server.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.2)
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+        assert reply["choices"][0]["text"] == expected[0].outputs[0].text
     finally:
-        server.stop()
+        assert server.stop() == 0
+    assert not child_pids(server.process.pid)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

@@ -9,7 +9,8 @@ Life cycle: `AsyncLLM(...)` starts the core and waits until it is ready; `genera
 (or `add_request()`, which sends at once and returns a `RequestStream`) yields a
 RequestOutput per engine step (with `delta_*` fields) until the request finishes;
 leaving the iterator early (client gone, task cancelled) aborts the request and frees
-its blocks; if the core dies every live request fails with EngineDeadError;
+its blocks; if the core dies every live request fails with EngineDeadError and, given
+`restarts`, a new core is started (after a backoff; `dead` meanwhile);
 `shutdown()` stops the core and the reader.
 """
 
@@ -20,7 +21,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ember import startup
@@ -37,6 +38,8 @@ from ember.sampling_params import SamplingParams
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
 logger = logging.getLogger("ember.engine")
+
+RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait before restarting a core, and the longest
 
 
 @dataclass
@@ -101,7 +104,12 @@ class AsyncLLM:
     one already started (`ember serve` starts it before importing the HTTP stack)."""
 
     def __init__(
-        self, model: str | None = None, *, core: EngineCoreClient | None = None, **options
+        self,
+        model: str | None = None,
+        *,
+        core: EngineCoreClient | None = None,
+        restarts: int = 0,
+        **options,
     ) -> None:
         if core is None:
             from ember.loader.default_models import resolve_model
@@ -144,6 +152,11 @@ class AsyncLLM:
         self._num_sequences_sent = 0
         self._error: EngineDeadError | None = None
         self._stopping = False
+        self._stop = threading.Event()  # shutdown() ends a restart's wait
+        self._restarts_left = restarts
+        self.num_restarts = 0
+        self.restarting = False
+        self.on_gone: Callable[[], None] | None = None  # called when no restart is left
         blocks = self.client.ready.num_kv_blocks
         self._stats = EngineStats(0, 0, 0, 0, blocks, 0, 0)
         self._expert_tokens: list[tuple[int, list[int]]] = []
@@ -280,27 +293,72 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self.fail_all("engine has shut down")
         self._stopping = True
-        self._reader.join(timeout=5)
+        self._stop.set()
+        self._reader.join(timeout=10)
         self.client.shutdown()
         if self._error is None:
             self._error = EngineDeadError("engine has shut down")
 
-    # -- the reader thread --------------------------------------------------------------
+    # -- the reader thread: outputs, and restarts of a core that died ---------------------
 
     def _read_loop(self) -> None:
+        while (failure := self._read_until_failure()) is not None:
+            if not self._restart(failure):
+                return
+
+    def _read_until_failure(self) -> str | None:
+        """Delivers the core's outputs until it fails (what failed) or shutdown (None)."""
+        client = self.client
         try:
             while not self._stopping:
-                message = self.client.recv(timeout_ms=100)
+                message = client.recv(timeout_ms=100)
                 if isinstance(message, EngineCoreOutputs):
                     self._deliver(message)
         except EngineDeadError as exc:
             logger.error("%s", exc)
-            self._error = exc
-            self.fail_all(str(exc))
+            return str(exc)
         except Exception as exc:  # a bug here must not leave requests hanging
             logger.exception("output processing failed")
-            self._error = EngineDeadError(f"output processing failed: {exc!r}")
-            self.fail_all(str(self._error))
+            return f"output processing failed: {exc!r}"
+        return None
+
+    def _restart(self, failure: str) -> bool:
+        """Ends every live request with the failure, then starts a new core (after a
+        backoff of 1 s doubling to 30 s, at most `restarts` times in all); True once it is
+        ready. With none left, `on_gone()`: the engine stays down."""
+        self.restarting = self._restarts_left > 0 and not self._stopping
+        suffix = "; the engine is restarting" if self.restarting else ""
+        self._error = EngineDeadError(failure + suffix)
+        self.fail_all(str(self._error))
+        wait, longest = RESTART_BACKOFF_S
+        while self._restarts_left > 0 and not self._stopping:
+            self._restarts_left -= 1
+            self.client.shutdown()  # whatever is left of the one that failed
+            if self._stop.wait(wait):
+                break
+            logger.warning("restarting the engine core (%d restarts left)", self._restarts_left)
+            try:
+                core = EngineCoreClient(self.client.config)
+                ready = core.wait_ready(cancelled=self._stop.is_set)
+            except EngineDeadError as exc:
+                logger.error("the engine core did not restart: %s", exc)
+                wait = min(wait * 2, longest)
+                continue
+            with self._lock:
+                self.client = core
+                self._stats = EngineStats(0, 0, 0, 0, ready.num_kv_blocks, 0, 0)
+                self._num_sequences_sent = 0  # counted against the new core's
+                self.num_restarts += 1
+                self.restarting = False
+                self._error = None
+            logger.warning("engine core restarted (pid %d)", core.process.pid)
+            return True
+        self.restarting = False
+        if not self._stopping:
+            logger.error("the engine core is down and no restart is left")
+            if self.on_gone is not None:
+                self.on_gone()
+        return False
 
     def _deliver(self, message: EngineCoreOutputs) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -104,12 +105,13 @@ class EngineCoreClient:
     def alive(self) -> bool:
         return not self._closed and self.process.poll() is None
 
-    def wait_ready(self) -> EngineReady:
+    def wait_ready(self, cancelled: Callable[[], bool] | None = None) -> EngineReady:
         """Blocks until the core has loaded the model (the frontend does its own loading
-        meanwhile); EngineDeadError if it fails or takes longer than startup_timeout."""
+        meanwhile); EngineDeadError if it fails, takes longer than startup_timeout, or
+        `cancelled()` turns true meanwhile (the core is then stopped)."""
         if self._ready is None:
             try:
-                self._ready = self._wait_ready(self._startup_timeout)
+                self._ready = self._wait_ready(self._startup_timeout, cancelled)
             except BaseException:
                 self.shutdown()
                 raise
@@ -119,9 +121,11 @@ class EngineCoreClient:
     def ready(self) -> EngineReady:
         return self.wait_ready()
 
-    def _wait_ready(self, timeout: float) -> EngineReady:
+    def _wait_ready(self, timeout: float, cancelled: Callable[[], bool] | None) -> EngineReady:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if cancelled is not None and cancelled():
+                raise EngineDeadError("engine core start cancelled")
             message = self.recv(timeout_ms=200)
             if isinstance(message, EngineReady):
                 logger.info("engine core ready (pid %d)", self.process.pid)

@@ -80,6 +80,7 @@ def server_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     shared = ["--max-request-bytes", str(args.max_request_bytes)]
     shared += ["--protect-metrics"] if args.protect_metrics else []
     worker = [*shared, "--shutdown-timeout", str(args.shutdown_timeout)]
+    worker += ["--engine-restarts", str(args.engine_restarts)]
     if args.max_queued_requests is not None:
         worker += ["--max-queued-requests", str(args.max_queued_requests)]
     worker += ["--tool-call-parser", args.tool_call_parser]

@@ -119,7 +119,8 @@ def build_app(
     @app.get("/health")
     async def health():
         if llm.dead:
-            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+            message = "the engine is restarting" if llm.restarting else "the engine is not running"
+            return JSONResponse(error_body(503, message), status_code=503)
         return {"status": "ok"}
 
     @app.get("/load")
@@ -151,11 +152,14 @@ def build_app(
             "kv_tiers": stats.kv_tiers,  # hits, bytes and load time per tier, evictions, ...
             "spec_decode": stats.spec_decode,  # drafts proposed and accepted, if speculating
             "healthy": not llm.dead,
+            "engine_restarts": llm.num_restarts,
         }
 
     @app.get("/metrics")
     async def prometheus():
-        text = metrics.render(llm.stats(), llm.num_waiting, llm.expert_tokens(), llm.expert_ranks)
+        text = metrics.render(
+            llm.stats(), llm.num_waiting, llm.expert_tokens(), llm.expert_ranks, llm.num_restarts
+        )
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -10,7 +10,11 @@ import argparse
 from typing import TYPE_CHECKING
 
 from ember import envs
-from ember.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STORE_CHARS
+from ember.server.limits import (
+    DEFAULT_ENGINE_RESTARTS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_STORE_CHARS,
+)
 from ember.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -69,6 +73,14 @@ def add_queue_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="answer 429 while this many requests wait for the engine (default: no limit)",
+    )
+    parser.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=DEFAULT_ENGINE_RESTARTS,
+        help="start an engine core that dies again, at most this many times (backoff 1 s "
+        f"doubling to 30 s; default {DEFAULT_ENGINE_RESTARTS}); with none left the server "
+        "exits (code 1)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -139,4 +151,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--max-queued-requests must be >= 0")
     if args.max_request_bytes < 1:
         raise ValueError("--max-request-bytes must be >= 1")
+    if args.engine_restarts < 0:
+        raise ValueError("--engine-restarts must be >= 0")
     resolve_api_key(args)

@@ -5,6 +5,10 @@ Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections; requests in fl
 `--shutdown-timeout` seconds to finish, then each still running is ended with an error
 ("server is shutting down"), and the engine core process is stopped. Nothing is left
 running.
+
+An engine core that dies is started again (`--engine-restarts`, `AsyncLLM`): requests in
+flight end with an error event, /health answers 503 while the core restarts and 200 once
+it is ready. With no restart left the server exits with code 1.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
     """Serves until SIGINT / SIGTERM; stops the core before it returns."""
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     access = access_of(args, envs.cluster_secret())
-    llm = AsyncLLM(core=core)
+    llm = AsyncLLM(core=core, restarts=args.engine_restarts)
     try:
         parsers = resolve_parsers(llm.tokenizer, args.tool_call_parser, args.reasoning_parser)
         logger.info("tool-call parser %s, reasoning parser %s", parsers.tool, parsers.reasoning)
@@ -54,11 +58,12 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
         )
         started = functools.partial(_report_startup, app.state.metrics, llm.core_startup)
         server = _Server(config, llm, args.shutdown_timeout, started)
+        llm.on_gone = server.engine_gone
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)
         server.run()
     finally:
         llm.shutdown()
-    return 0
+    return 1 if server.gone else 0
 
 
 def _report_startup(metrics: ServerMetrics, core_marks: list[startup.Mark]) -> None:
@@ -81,6 +86,13 @@ class _Server(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.started_callback = started
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.gone = False  # the engine core died and no restart was left: exit with 1
+
+    def engine_gone(self) -> None:
+        """(From the frontend's reader thread.) Stops serving: a supervisor (ember up,
+        Kubernetes) starts the worker again."""
+        self.gone = True
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self):

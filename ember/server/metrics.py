@@ -83,6 +83,10 @@ class ServerMetrics:
             labels, registry=r,
         )  # fmt: skip
         self.steps = Gauge("ember_engine_steps", "Model steps, since start.", labels, registry=r)
+        self.restarts = Gauge(
+            "ember_engine_restarts", "Engine cores started again after one died.", labels,
+            registry=r,
+        )  # fmt: skip
         self.step_seconds = Gauge(
             "ember_engine_step_seconds", "Model steps' durations, measured and as the step "
             "cost model predicted them (and |measured - predicted|), summed since start.",
@@ -140,9 +144,13 @@ class ServerMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, stats, num_waiting: int, expert_tokens=(), expert_ranks: int = 1) -> bytes:
-        """`expert_ranks`: the ranks the experts are split over (expert parallel)."""
+    def render(
+        self, stats, num_waiting: int, expert_tokens=(), expert_ranks: int = 1, restarts: int = 0
+    ) -> bytes:
+        """`expert_ranks`: the ranks the experts are split over (expert parallel);
+        `restarts`: of the engine core."""
         name = self.model_name
+        self.restarts.labels(name).set(restarts)
         for layer, counts in expert_tokens:
             for expert, count in enumerate(counts):
                 self.expert_tokens.labels(name, str(layer), str(expert)).set(count)
