@@ -217,12 +217,18 @@ def test_ember_up_hands_the_server_options_to_workers_and_router():
 
     parser = build_parser()
     up = parser.parse_args(["up", "--max-queued-requests", "3", "--max-request-bytes", "1M",
-                            "--shutdown-timeout", "2.5", "--protect-metrics"])  # fmt: skip
+                            "--shutdown-timeout", "2.5", "--protect-metrics",
+                            "--read-timeout", "7", "--max-connections", "9",
+                            "--engine-restarts", "1", "--max-migrations", "4",
+                            "--stall-timeout", "0"])  # fmt: skip
     worker, router = server_flags(up)
     serve = parser.parse_args(["serve", *worker])
     assert (serve.max_queued_requests, serve.max_request_bytes, serve.shutdown_timeout,
-            serve.protect_metrics) == (3, 1 << 20, 2.5, True)  # fmt: skip
+            serve.protect_metrics, serve.read_timeout, serve.max_connections,
+            serve.engine_restarts) == (3, 1 << 20, 2.5, True, 7, 9, 1)  # fmt: skip
     routed = parser.parse_args(["router", "--mixed", "http://w", *router])
-    assert (routed.max_request_bytes, routed.protect_metrics) == (1 << 20, True)
+    assert (routed.max_request_bytes, routed.protect_metrics, routed.read_timeout,
+            routed.max_connections, routed.max_migrations, routed.stall_timeout) == (
+        1 << 20, True, 7, 9, 4, 0)  # fmt: skip
     default_worker, _ = server_flags(parser.parse_args(["up"]))
-    assert parser.parse_args(["serve", *default_worker]).max_queued_requests is None
+    assert parser.parse_args(["serve", *default_worker]).max_queued_requests == 1024

@@ -21,6 +21,8 @@ worker the request runs whole on a decode (or mixed) worker.
 A worker that cannot be reached, or refuses the request because its engine is gone
 (a 503 coded `engine_not_running`), leaves its pool and the request is retried on
 another (reason "retry"); when no worker is healthy the client gets a 503 saying so. A
+worker whose queue is full (429) is skipped for this request; when every worker is, the
+client gets the last 429 and its Retry-After. A
 request that a worker had started is not retried when that worker's engine failed on it
 (a 503 of another code, or an error event) nor once its response began, and only once
 when the worker died before answering: it may be what failed the worker, and must not
@@ -210,15 +212,15 @@ class _Call:
         """(pool, decision, response) of the first worker of `router`'s pool (or
         `fallback`) that takes the request, the others tried left out of it and added to
         `tried`; or the Response that ends the request. `reason`: the decisions' own."""
-        state = self.state
+        state, full = self.state, None
         while True:
             decision = router.choose(
                 self.text, self.max_tokens, self.session_id, tried, self.pinned
             )
             if decision is None and fallback is not None and fallback.url not in tried:
                 decision = Decision(fallback, "fallback", self.max_tokens, [])
-            elif decision is None:
-                return no_workers(self.path)
+            elif decision is None:  # every worker full (the last one's 429), or down
+                return full if full is not None else no_workers(self.path)
             elif tried or reason:
                 reason = reason or "retry"
                 decision = Decision(decision.worker, reason, decision.cost, decision.hashes)
@@ -232,6 +234,15 @@ class _Call:
                     continue
                 router.finish(decision)
                 return _failed_on(decision.worker, exc, self.path)
+            if upstream.status_code == 429:  # that worker's queue is full: try the next
+                content = await upstream.aread()
+                await upstream.aclose()
+                router.finish(decision)
+                tried.add(decision.worker.url)
+                retry_after = upstream.headers.get("retry-after", "1")
+                full = Response(content, 429, media_type="application/json",
+                                headers={"Retry-After": retry_after})  # fmt: skip
+                continue
             if upstream.status_code == 503:
                 content = await upstream.aread()
                 await upstream.aclose()

@@ -59,6 +59,7 @@ def run_router(args: argparse.Namespace) -> int:
     from ember.router.app import build_router_app
     from ember.router.policy import Pools
     from ember.server.args import access_of
+    from ember.server.http_protocol import uvicorn_options
 
     if bool(args.prefill) != bool(args.decode):
         raise ValueError("--prefill and --decode: disaggregation needs workers of both kinds")
@@ -75,5 +76,6 @@ def run_router(args: argparse.Namespace) -> int:
     app = build_router_app(pools, args.health_interval, access, secret, migration_of(args))
     logger.info("routing http://%s:%d -> mixed %s, prefill %s, decode %s", args.host, args.port,
                 args.mixed, args.prefill, args.decode)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                **uvicorn_options(args.read_timeout, args.max_connections))  # fmt: skip
     return 0

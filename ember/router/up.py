@@ -78,6 +78,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
 def server_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(`ember serve` flags for each worker, `ember router` flags) from `ember up`'s own."""
     shared = ["--max-request-bytes", str(args.max_request_bytes)]
+    shared += ["--read-timeout", str(args.read_timeout)]
+    shared += ["--max-connections", str(args.max_connections)]
     shared += ["--protect-metrics"] if args.protect_metrics else []
     worker = [*shared, "--shutdown-timeout", str(args.shutdown_timeout)]
     worker += ["--engine-restarts", str(args.engine_restarts)]

@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING
 from ember import envs
 from ember.server.limits import (
     DEFAULT_ENGINE_RESTARTS,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_READ_TIMEOUT_S,
     DEFAULT_STORE_CHARS,
 )
 from ember.units import parse_bytes
@@ -64,6 +67,22 @@ def add_access_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="refuse larger request bodies with 413 before reading them (default 4M)",
     )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        metavar="S",
+        help="a request's head must come within S seconds of its first byte, then its body "
+        f"within S more, else 408 (slow clients hold no connection; default "
+        f"{DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="connections and requests at once; more are answered 503 at once (default "
+        f"{DEFAULT_MAX_CONNECTIONS})",
+    )
 
 
 def add_queue_args(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +90,9 @@ def add_queue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queued-requests",
         type=int,
-        default=None,
-        help="answer 429 while this many requests wait for the engine (default: no limit)",
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        help="answer 429 (with Retry-After) while this many sequences wait for the engine "
+        f"(default {DEFAULT_MAX_QUEUED_REQUESTS})",
     )
     parser.add_argument(
         "--engine-restarts",
@@ -137,11 +157,14 @@ def access_of(args: argparse.Namespace, cluster_secret: bytes | None = None) -> 
 
     if args.max_request_bytes < 1:
         raise ValueError("--max-request-bytes must be >= 1")
+    if args.read_timeout <= 0 or args.max_connections < 1:
+        raise ValueError("--read-timeout must be > 0 and --max-connections >= 1")
     return Access(
         api_key=resolve_api_key(args),
         cluster_secret=cluster_secret,
         protect_metrics=args.protect_metrics,
         max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
     )
 
 

@@ -8,12 +8,16 @@ In order, before any of the body is read:
    `protect_metrics`, `/load` and `/metrics` need the key or the router's token too.
    `/health` is always open (probes).
 2. the body's size: a request whose Content-Length exceeds `max_request_bytes` is a 413
-   at once; a body without one is read up to the limit, then handed on (or refused).
+   at once; a body without one is read up to the limit, then handed on (or refused);
+3. the body's time: it must all come within `read_timeout` seconds of the head, else a
+   408 (the head's own deadline is `http_protocol.py`'s), so a client that trickles its
+   body holds no handler.
 Every refusal is an OpenAI error body (Anthropic's shape on `/v1/messages`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 
@@ -24,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ember import cluster
 from ember.headers import ROUTER_TOKEN_HEADER
 from ember.server.errors import error_body_for
-from ember.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from ember.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S
 
 PROTECTED = ("/load", "/metrics")
 API_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: the tokenizer, as vLLM has it
@@ -43,6 +47,7 @@ class Access:
     cluster_secret: bytes | None = None  # a worker of a cluster: serves its router only
     protect_metrics: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
 
     def refusal(self, path: str, headers: Headers) -> JSONResponse | None:
         """The 401 for a caller not allowed on `path`, or None."""
@@ -90,15 +95,24 @@ class Guard:
         await self.app(scope, receive, send)
 
     async def _limit_body(self, headers: Headers, receive: Receive, path: str):
-        """(a 413 or None, the receive to hand on)."""
+        """(a 413 or 408 or None, the receive to hand on): the body read here, within its
+        size and its time."""
         limit = self.access.max_request_bytes
         length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit() or int(length) > limit:
-                return _too_large(limit, path), receive
-            return None, receive  # the server holds the client to its Content-Length
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return _too_large(limit, path), receive
+        try:
+            async with asyncio.timeout(self.access.read_timeout):
+                return await self._read_body(receive, limit, path)
+        except TimeoutError:  # and the connection is closed: the rest of the body may follow
+            message = f"the request body did not come within {self.access.read_timeout:g} s"
+            refusal = _refuse(408, message, "request_timeout", path)
+            refusal.headers["connection"] = "close"
+            return refusal, receive
+
+    async def _read_body(self, receive: Receive, limit: int, path: str):
         chunks, size = [], 0
-        while True:  # no length given (chunked): read it here, up to the limit
+        while True:  # the server holds the client to a Content-Length; chunked: the limit
             message = await receive()
             if message["type"] != "http.request":
                 return None, _replay([], message, receive)

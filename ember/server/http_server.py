@@ -29,6 +29,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.engine.core_client import EngineCoreClient
 from ember.server.app import build_app
 from ember.server.args import access_of
+from ember.server.http_protocol import uvicorn_options
 from ember.server.metrics import ServerMetrics
 from ember.server.parsers import resolve_parsers
 
@@ -55,6 +56,7 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
             access_log=args.access_log,
             log_level="info",
             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
+            **uvicorn_options(args.read_timeout, args.max_connections),
         )
         started = functools.partial(_report_startup, app.state.metrics, llm.core_startup)
         server = _Server(config, llm, args.shutdown_timeout, started)

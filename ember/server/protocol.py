@@ -24,6 +24,7 @@ from ember.sampling_params import (
     SamplingParams,
 )
 from ember.server.fields import Api, refused
+from ember.server.limits import MAX_MESSAGES, MAX_TOOLS
 
 TokenId = Annotated[int, Field(**TOKEN_ID.schema())]
 Text = Annotated[str, Field(min_length=1)]
@@ -224,12 +225,12 @@ class _Sampling(RequestModel):
 class ChatCompletionRequest(_Sampling):
     _API: ClassVar[Api] = "chat"
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = _bounded("max_tokens")
     max_completion_tokens: int | None = _bounded("max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None

@@ -39,6 +39,7 @@ from pydantic import (
 
 from ember.sampling_params import BOUNDS
 from ember.server.errors import describe
+from ember.server.limits import MAX_MESSAGES, MAX_TOOLS
 from ember.server.protocol import ChatCompletionRequest
 
 
@@ -139,14 +140,14 @@ class MessagesRequest(_Body):
 
     model: str
     max_tokens: int = Field(**BOUNDS["max_tokens"].schema())
-    messages: list[InputMessage] = Field(min_length=1)
+    messages: list[InputMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     temperature: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     top_p: float | None = Field(None, **BOUNDS["top_p"].schema())
     top_k: int | None = Field(None, **BOUNDS["top_k"].schema())
     stream: bool = False
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
     metadata: Metadata | None = None

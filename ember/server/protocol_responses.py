@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.sampling_params import BOUNDS
+from ember.server.limits import MAX_MESSAGES, MAX_TOOLS
 
 Text = Annotated[str, Field(min_length=1)]
 
@@ -108,10 +109,10 @@ class ResponsesRequest(BaseModel):
     }
 
     model: str | None = None
-    input: Text | list[InputItem]
+    input: Text | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     temperature: float | None = _bounded("temperature")

@@ -1,0 +1,103 @@
+"""uvicorn's HTTP/1.1 protocol with a deadline on each request's head, for every ember
+HTTP service (`ember serve`, `ember router`).
+
+uvicorn closes a kept-alive connection that stays idle (`timeout_keep_alive`), but waits
+forever for a request line and headers that come a byte at a time: a few slow clients
+could hold every connection a worker has. Here a connection that has not sent a whole
+request head within `read_timeout` seconds of connecting, or of the first byte after its
+last response, gets a 408 and is closed (the body's deadline is the guard's, `guard.py`),
+and a connection over `max_connections` gets a 503 and is closed at once, so that what a
+flood of clients costs a process is bounded. `uvicorn_options` are the settings every
+ember service runs uvicorn with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger("ember.server")
+
+
+def _response(status: bytes, message: str, kind: str, code: str) -> bytes:
+    """A whole HTTP response with an OpenAI error body, written before the connection
+    closes."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    body = body.encode()
+    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n" % status
+    return head + b"content-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+_TIMED_OUT = _response(
+    b"408 Request Timeout",
+    "the request head did not come in time (--read-timeout)",
+    "invalid_request_error",
+    "request_timeout",
+)
+_TOO_MANY = _response(
+    b"503 Service Unavailable",
+    "too many connections (--max-connections); retry later",
+    "service_unavailable",
+    "too_many_connections",
+)
+KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this long (uvicorn's)
+
+
+class TimedH11Protocol(H11Protocol):
+    def __init__(self, *args, read_timeout: float, max_connections: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+        self.max_connections = max_connections
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.write(_TOO_MANY)
+            transport.close()
+            return
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for_head() and self._head_timer is None:
+            self._arm()
+        super().data_received(data)
+        if not self._waiting_for_head():
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _waiting_for_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        self._head_timer = self.loop.call_later(self.read_timeout, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _timed_out(self) -> None:
+        self._head_timer = None
+        if self._waiting_for_head() and not self.transport.is_closing():
+            logger.info(
+                "closed a connection that sent no request head in %.0f s", self.read_timeout
+            )
+            self.transport.write(_TIMED_OUT)
+            self.transport.close()
+
+
+def uvicorn_options(read_timeout: float, max_connections: int) -> dict:
+    """What every ember service gives uvicorn.Config: this protocol (the head's deadline,
+    and a 503 for a connection over `max_connections`) and the idle timeout."""
+    protocol = functools.partial(
+        TimedH11Protocol, read_timeout=read_timeout, max_connections=max_connections
+    )
+    return {"http": protocol, "timeout_keep_alive": KEEP_ALIVE_S}
