@@ -8,3 +8,4 @@ PREFILL_HEADER = "x-ember-prefill-worker"  # ... and its prefill worker, when di
 RESPONSE_ID_HEADER = "x-ember-response-id"  # a /v1/responses id: the router keeps its home
 ROUTER_TOKEN_HEADER = "x-ember-router-token"  # a cluster's router proving itself to workers
 STREAM_TOKENS_HEADER = "x-ember-stream-tokens"  # a router asking for a stream's token trail
+TENANT_HEADER = "x-ember-tenant"  # the tenant of the API key a router checked, to workers

@@ -232,3 +232,55 @@ def test_ember_up_hands_the_server_options_to_workers_and_router():
         1 << 20, True, 7, 9, 4, 0)  # fmt: skip
     default_worker, _ = server_flags(parser.parse_args(["up"]))
     assert parser.parse_args(["serve", *default_worker]).max_queued_requests == 1024
+
+
+# -- tenants: with several API keys, each key's prefix cache is its own --------------------
+
+TENANT_PROMPT = "Tenant A's long private system prompt, which nobody else may time. " * 4
+
+
+def cached_tokens(url: str, key: str, **headers: str) -> int:
+    body = {"prompt": TENANT_PROMPT, "max_tokens": 2, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                          headers={"authorization": f"Bearer {key}", **headers})  # fmt: skip
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_each_api_key_has_its_own_prefix_cache(tiny_checkpoint, tmp_path: Path, shared):
+    from server_utils import WORKER_ARGS, EmberServer
+
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\nkey-b\n\n")
+    flags = ["--shared-prefix-cache"] if shared else []
+    server = EmberServer(str(tiny_checkpoint("llama")), *WORKER_ARGS,
+                         "--api-key-file", str(keys), *flags)  # fmt: skip
+    try:
+        assert cached_tokens(server.url, "key-a") == 0
+        assert cached_tokens(server.url, "key-a") > 0  # its own prefix, cached
+        # another key: no hit (and nothing to time) unless the cache is shared on purpose
+        assert (cached_tokens(server.url, "key-b") > 0) is shared
+        assert cached_tokens(server.url, "key-b") > 0
+        body = {"prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 401
+    finally:
+        server.stop()
+
+
+def test_tenants_behind_the_router_and_a_forged_tenant_header(tiny_checkpoint, tmp_path: Path):
+    from ember.server.guard import tenant_of
+
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    up = Up(str(tiny_checkpoint("llama")), "--mixed", "1", "--api-key-file", str(keys),
+            headers={"authorization": "Bearer key-a"})  # fmt: skip
+    try:
+        assert cached_tokens(up.url, "key-a") == 0
+        assert cached_tokens(up.url, "key-a") > 0
+        # key b naming key a's tenant itself: the router sends the tenant of the key it checked
+        forged = {"x-ember-tenant": tenant_of("key-a")}
+        assert cached_tokens(up.url, "key-b", **forged) == 0
+        assert cached_tokens(up.url, "key-b") > 0
+    finally:
+        up.stop()

@@ -230,3 +230,21 @@ def test_killing_the_decode_worker_moves_new_requests_to_the_prefill_worker(pd):
     assert statuses == [200] * 6
     del cluster.workers[decode_url]
     cluster.wait_no_blocks()
+
+
+def test_every_listening_socket_is_on_loopback(pd):
+    """Nothing of a default cluster listens beyond this machine: the router, the workers'
+    HTTP and their KV endpoints all bind 127.0.0.1."""
+    import subprocess
+
+    cluster, _ = pd
+    tree, todo = set(), [cluster.process.pid]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += child_pids(pid)
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    ours = [line for line in listening.splitlines() if any(f"pid={p}," in line for p in tree)]
+    assert len(ours) >= 4  # the router, two workers' HTTP, the prefill worker's KV endpoint
+    for line in ours:
+        assert line.split()[3].startswith(("127.0.0.1:", "[::1]:")), line

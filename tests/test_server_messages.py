@@ -252,13 +252,13 @@ def test_a_stream_that_fails_ends_with_an_error_event():
 
 
 def test_x_api_key_is_a_key():
-    access = Access(api_key="sesame")
+    access = Access(api_keys=("sesame",))
     for headers in ({"x-api-key": "sesame"}, {"authorization": "Bearer sesame"}):
-        assert access.refusal("/v1/messages", Headers(headers)) is None
-    refusal = access.refusal("/v1/messages", Headers({"x-api-key": "wrong"}))
+        assert access.admit("/v1/messages", Headers(headers)) == (None, None)
+    refusal, _ = access.admit("/v1/messages", Headers({"x-api-key": "wrong"}))
     assert refusal.status_code == 401
     assert json.loads(refusal.body)["error"]["type"] == "authentication_error"
-    assert access.refusal("/v1/chat/completions", Headers({"x-api-key": "wrong"})) is not None
+    assert access.admit("/v1/chat/completions", Headers({"x-api-key": "wrong"}))[0] is not None
 
 
 def test_through_the_router_with_an_api_key(tiny_checkpoint, tmp_path: Path, monkeypatch):

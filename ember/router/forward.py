@@ -58,6 +58,7 @@ from ember.headers import (
     RESPONSE_ID_HEADER,
     SESSION_HEADER,
     STREAM_TOKENS_HEADER,
+    TENANT_HEADER,
     WORKER_HEADER,
 )
 from ember.router.migrate import Leg, Splice, movable, moving_events, stream_end
@@ -164,6 +165,8 @@ class _Call:
         self.state, self.path, self.raw, self.body = state, path, raw, body
         self.session_id = _session_id(request, path, body)
         self.headers = {**client_headers(request), **state.worker_headers}
+        if tenant := getattr(request.state, "tenant", None):  # its key's: salts its cache
+            self.headers[TENANT_HEADER] = tenant
         self.text = _prompt_text(body)
         self.num_failures = 0  # workers that died with this request on them
         # a stream the router moves when its worker fails (`migrate.py`): it asks for the

@@ -81,13 +81,15 @@ def server_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     shared += ["--read-timeout", str(args.read_timeout)]
     shared += ["--max-connections", str(args.max_connections)]
     shared += ["--protect-metrics"] if args.protect_metrics else []
+    router = ["--shared-prefix-cache"] if args.shared_prefix_cache else []
+    router += ["--api-key-file", os.path.abspath(args.api_key_file)] if args.api_key_file else []
     worker = [*shared, "--shutdown-timeout", str(args.shutdown_timeout)]
     worker += ["--engine-restarts", str(args.engine_restarts)]
     if args.max_queued_requests is not None:
         worker += ["--max-queued-requests", str(args.max_queued_requests)]
     worker += ["--tool-call-parser", args.tool_call_parser]
     worker += ["--reasoning-parser", args.reasoning_parser]
-    router = [*shared, "--max-migrations", str(args.max_migrations)]
+    router += [*shared, "--max-migrations", str(args.max_migrations)]
     router += ["--stall-timeout", str(args.stall_timeout)]
     return worker, router
 
@@ -156,7 +158,10 @@ def run_up(args: argparse.Namespace, engine_options: dict) -> int:
     # serve only the router, and their KV endpoints admit only each other
     os.environ.setdefault("EMBER_CLUSTER_SECRET", secrets.token_hex(16))
     worker_env = {k: v for k, v in os.environ.items() if k != "EMBER_API_KEY"}
-    router_env = dict(worker_env, **({"EMBER_API_KEY": access.api_key} if access.api_key else {}))
+    # the router checks the clients' keys: from the key file (its path is no secret), else
+    # the one key, in its environment only (never on a command line)
+    one_key = access.api_keys[0] if access.api_keys and not args.api_key_file else None
+    router_env = dict(worker_env, **({"EMBER_API_KEY": one_key} if one_key else {}))
     try:
         if engine_options.get("kv_store") == "mooncake":
             engine_options = start_store(cluster, engine_options, worker_env)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ember.engine.async_llm import AsyncLLM
 from ember.headers import RESPONSE_ID_HEADER, SESSION_HEADER, STREAM_TOKENS_HEADER
 from ember.server.errors import APIError, error_body, install_error_handlers
-from ember.server.guard import Access, Guard
+from ember.server.guard import Access, Guard, tenant_salt
 from ember.server.limits import DEFAULT_STORE_CHARS
 from ember.server.metrics import ServerMetrics
 from ember.server.parsers import ChatParsers
@@ -179,6 +179,7 @@ def _context(
     session_id = request.headers.get(SESSION_HEADER)
     if session_id:
         logger.info("%s session=%s", request.url.path, session_id)
+    cache_salt = tenant_salt(getattr(request.state, "tenant", None), cache_salt)
     return RequestContext(session_id, cache_salt, kv_transfer, kv_retention=kv_retention)
 
 

@@ -54,7 +54,16 @@ def add_access_args(parser: argparse.ArgumentParser) -> None:
         "other users in `ps`: prefer $EMBER_API_KEY or --api-key-file)",
     )
     parser.add_argument(
-        "--api-key-file", default=None, help="read the API key from the first line of this file"
+        "--api-key-file",
+        default=None,
+        help="read the API keys from this file, one a line; with several, each key is a "
+        "tenant whose prefix cache is its own",
+    )
+    parser.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="with several API keys, let their requests share prefix-cache blocks (and "
+        "so learn from their timing what others sent; default: each key's are apart)",
     )
     parser.add_argument(
         "--protect-metrics",
@@ -139,17 +148,19 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else the first line of --api-key-file, else $EMBER_API_KEY."""
+def resolve_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key, else every line of --api-key-file (one key a line: a tenant each), else
+    $EMBER_API_KEY; none: no key needed."""
     if args.api_key:
-        return args.api_key
+        return (args.api_key,)
     if args.api_key_file:
         with open(args.api_key_file, encoding="utf-8") as file:
-            key = file.readline().strip()
-        if not key:
+            keys = tuple(dict.fromkeys(line.strip() for line in file if line.strip()))
+        if not keys:
             raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
-        return key
-    return envs.api_key()
+        return keys
+    key = envs.api_key()
+    return (key,) if key else ()
 
 
 def access_of(args: argparse.Namespace, cluster_secret: bytes | None = None) -> Access:
@@ -160,11 +171,12 @@ def access_of(args: argparse.Namespace, cluster_secret: bytes | None = None) -> 
     if args.read_timeout <= 0 or args.max_connections < 1:
         raise ValueError("--read-timeout must be > 0 and --max-connections >= 1")
     return Access(
-        api_key=resolve_api_key(args),
+        api_keys=resolve_api_keys(args),
         cluster_secret=cluster_secret,
         protect_metrics=args.protect_metrics,
         max_request_bytes=args.max_request_bytes,
         read_timeout=args.read_timeout,
+        key_salts=not args.shared_prefix_cache,
     )
 
 
@@ -176,4 +188,4 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--max-request-bytes must be >= 1")
     if args.engine_restarts < 0:
         raise ValueError("--engine-restarts must be >= 0")
-    resolve_api_key(args)
+    resolve_api_keys(args)

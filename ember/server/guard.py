@@ -1,12 +1,13 @@
 """What every ember HTTP service checks before a handler runs (an ASGI middleware).
 
 In order, before any of the body is read:
-1. who may call: the API (`/v1/*`, `/tokenize`, `/detokenize`) needs the API key when
-   one is set (`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients
+1. who may call: the API (`/v1/*`, `/tokenize`, `/detokenize`) needs an API key when
+   any is set (`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients
    send it); on a worker that has the cluster secret, it needs the router's token instead
    (`x-ember-router-token`): such a worker serves its router and no one else. With
    `protect_metrics`, `/load` and `/metrics` need the key or the router's token too.
-   `/health` is always open (probes).
+   `/health` is always open (probes). With several keys, the key's tenant goes with the
+   request (`request.state.tenant`; from a router, its `x-ember-tenant` header).
 2. the body's size: a request whose Content-Length exceeds `max_request_bytes` is a 413
    at once; a body without one is read up to the limit, then handed on (or refused);
 3. the body's time: it must all come within `read_timeout` seconds of the head, else a
@@ -18,7 +19,9 @@ Every refusal is an OpenAI error body (Anthropic's shape on `/v1/messages`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import re
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -26,7 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember import cluster
-from ember.headers import ROUTER_TOKEN_HEADER
+from ember.headers import ROUTER_TOKEN_HEADER, TENANT_HEADER
 from ember.server.errors import error_body_for
 from ember.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S
 
@@ -41,37 +44,64 @@ def is_api(path: str) -> bool:
 
 @dataclass(frozen=True)
 class Access:
-    """Who may call an ember HTTP service, and how much it may send."""
+    """Who may call an ember HTTP service, and how much it may send. With several API keys
+    each key is a tenant, and (unless `key_salts` is off) its requests' prefix-cache
+    blocks are its own: the tenant salts every block hash, so no tenant can hit, or time,
+    another's cached prefix."""
 
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     cluster_secret: bytes | None = None  # a worker of a cluster: serves its router only
     protect_metrics: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    key_salts: bool = True
 
-    def refusal(self, path: str, headers: Headers) -> JSONResponse | None:
-        """The 401 for a caller not allowed on `path`, or None."""
+    def admit(self, path: str, headers: Headers) -> tuple[JSONResponse | None, str | None]:
+        """(the 401 for a caller not allowed on `path`, or None; the caller's tenant, if
+        its prefix cache is its own). A cluster's router names the tenant of the key it
+        checked in `x-ember-tenant`."""
         protected = is_api(path) or (self.protect_metrics and path in PROTECTED)
         if not protected:
-            return None
-        router = cluster.is_router(self.cluster_secret, headers.get(ROUTER_TOKEN_HEADER))
-        if router:
-            return None
+            return None, None
+        if cluster.is_router(self.cluster_secret, headers.get(ROUTER_TOKEN_HEADER)):
+            tenant = headers.get(TENANT_HEADER)
+            return None, tenant if tenant and _TENANT.fullmatch(tenant) else None
         if self.cluster_secret is not None and is_api(path):
             message = "this worker serves only its cluster's router"
-            return _refuse(401, message, "invalid_api_key", path)
-        if self.api_key is None and self.cluster_secret is None:
-            return None
-        if self.api_key and self._key_shown(headers):
-            return None
-        return _refuse(401, "missing or invalid API key", "invalid_api_key", path)
+            return _refuse(401, message, "invalid_api_key", path), None
+        if not self.api_keys and self.cluster_secret is None:
+            return None, None
+        key = self._key_shown(headers)
+        if key is None:
+            return _refuse(401, "missing or invalid API key", "invalid_api_key", path), None
+        return None, tenant_of(key) if len(self.api_keys) > 1 and self.key_salts else None
 
-    def _key_shown(self, headers: Headers) -> bool:
+    def _key_shown(self, headers: Headers) -> str | None:
+        """The key the request shows, if it is one of ours (every key compared)."""
         bearer = headers.get("authorization", "").encode()
-        key = headers.get("x-api-key", "").encode()
-        return hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode()) or (
-            hmac.compare_digest(key, self.api_key.encode())
-        )
+        shown = headers.get("x-api-key", "").encode()
+        found = None
+        for key in self.api_keys:
+            if hmac.compare_digest(bearer, f"Bearer {key}".encode()) | hmac.compare_digest(
+                shown, key.encode()
+            ):
+                found = key
+        return found
+
+
+_TENANT = re.compile(r"[0-9a-f]{32}")
+
+
+def tenant_of(key: str) -> str:
+    """A key's tenant: a name derived from it that does not give it away."""
+    return hashlib.sha256(b"ember-tenant:" + key.encode()).hexdigest()[:32]
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The cache salt of a request: its tenant's, with the client's own `cache_salt`."""
+    if tenant is None:
+        return cache_salt
+    return f"tenant:{tenant}:{cache_salt or ''}"
 
 
 class Guard:
@@ -86,7 +116,9 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        refusal = self.access.refusal(scope["path"], headers)
+        refusal, tenant = self.access.admit(scope["path"], headers)
+        if tenant is not None:  # read as request.state.tenant
+            scope.setdefault("state", {})["tenant"] = tenant
         if refusal is None:
             refusal, receive = await self._limit_body(headers, receive, scope["path"])
         if refusal is not None:
