@@ -250,3 +250,14 @@ def test_ember_bench_records_the_worker_the_router_chose(cluster, tiny_checkpoin
     assert len(records) == 8 and {r["worker"] for r in records} <= {w.url for w in workers}
     for session in {r["session_id"] for r in records}:  # each session stayed home
         assert len({r["worker"] for r in records if r["session_id"] == session}) == 1
+
+
+def test_bodies_that_are_not_json_are_400s_at_the_router(cluster):
+    """Found by `make chaos`: a body that is not UTF-8 was a 500 at the router."""
+    url, _ = cluster
+    for body in (b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000, b'{"prompt": NaN', b""):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+            response = httpx.post(f"{url}{path}", content=body, timeout=30,
+                                  headers={"content-type": "application/json"})  # fmt: skip
+            assert response.status_code == 400, (path, body[:8], response.text)
+    assert httpx.get(f"{url}/health").status_code == 200

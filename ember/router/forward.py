@@ -123,7 +123,7 @@ async def forward(state: RouterState, request: Request, path: str):
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the stack
         return JSONResponse(error_body_for(path, 400, "malformed JSON body"), status_code=400)
     if not isinstance(body, dict):
         body = error_body_for(path, 400, "the body must be a JSON object")
