@@ -10,7 +10,7 @@ PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test lint bench clean ibverbs
+.PHONY: install model serve test lint bench clean ibverbs chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,11 +33,16 @@ ibverbs:
 		|| echo "libibverbs1 could not be installed: the Mooncake transport test will skip"
 
 test: model ibverbs
-	$(BIN)/ruff check ember tests benchmarks
+	$(BIN)/ruff check ember tests benchmarks chaos
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# the fuzz and chaos families (a few minutes; loopback only), not part of `make test`
+chaos: model
+	$(BIN)/pip install --quiet -e '.[test,mooncake,chaos]'
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider chaos
+
 lint: install
-	$(BIN)/ruff check ember tests benchmarks
+	$(BIN)/ruff check ember tests benchmarks chaos
 	$(BIN)/ruff format --check ember tests benchmarks
 
 bench: model
