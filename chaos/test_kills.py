@@ -1,6 +1,6 @@
 """Kills under load: agent-like streams (greedy, so each has one right answer) run
-against `ember up --mixed 2` while, every few seconds and only when both workers are
-healthy, one worker is killed (SIGKILL of its API process and engine core, which `ember
+against `ember up --mixed 2`, and against one prefill and two decode workers, while,
+every few seconds and only when every worker is healthy, one worker is killed (SIGKILL of its API process and engine core, which `ember
 up` starts again) or only its engine core (which its API process starts again). Every
 stream must finish with the undisturbed text and usage: the cluster could always have
 served it, so a client-visible error is a failure."""
@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from conftest import report
 from server_utils import Up, child_pids, pid_serving
@@ -47,8 +48,10 @@ def run_stream(url: str, prompt: str) -> tuple[str, dict | None, list]:
     return text, usage, errors
 
 
-def test_kills_under_load_are_not_seen_by_clients(tiny_model):
-    up = Up(tiny_model, "--mixed", "2", "--worker-restarts", "100", "--stall-timeout", "5")
+@pytest.mark.parametrize("layout", [["--mixed", "2"], ["--prefill", "1", "--decode", "2"]],
+                         ids=["mixed", "disaggregated"])  # fmt: skip
+def test_kills_under_load_are_not_seen_by_clients(tiny_model, layout):
+    up = Up(tiny_model, *layout, "--worker-restarts", "100", "--stall-timeout", "5")
     try:
         want = {p: run_stream(up.url, p)[:2] for p in PROMPTS}
         stop = threading.Event()
@@ -96,9 +99,10 @@ def test_kills_under_load_are_not_seen_by_clients(tiny_model):
         for thread in threads:
             thread.join(timeout=180)
         decisions = up.load()["decisions"]
-        moved = decisions.get("migrate", 0)
-        report("kills under load", {**seen, **kills, "streams moved": moved,
-                                    "requests re-sent": decisions.get("retry", 0)})  # fmt: skip
+        moved = sum(n for k, n in decisions.items() if k.endswith("migrate"))
+        resent = sum(n for k, n in decisions.items() if k.endswith("retry"))
+        name = f"kills under load {'-'.join(layout).replace('--', '')}"
+        report(name, {**seen, **kills, "streams moved": moved, "requests re-sent": resent})
         assert seen["client-visible errors"] == 0, problems[:3]
         assert seen["wrong text or usage"] == 0
         assert kills["workers killed"] + kills["engine cores killed"] >= 5

@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -283,5 +284,42 @@ def test_without_moves_left_a_killed_stream_ends_with_an_error(tiny_checkpoint):
                     signal_worker(response.headers["x-ember-worker"], signal.SIGKILL)
         errors = [json.loads(x[6:])["error"] for x in got if x.startswith('data: {"error"')]
         assert [e["code"] for e in errors] == ["worker_failed"] and got[-1] == "data: [DONE]"
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("killed", ["worker", "engine core"])
+def test_a_prefill_worker_killed_mid_prefill_costs_the_client_nothing(tiny_checkpoint, killed):
+    """Its engine frozen with the prefill in it, the prefill worker (or only its engine
+    core, whose API process then ends the prefill with an engine_stopped event) is
+    killed: the router sends the request on (no other prefill worker: whole, to the
+    decode worker), and the client's stream is the undisturbed one."""
+    cluster = Up(str(tiny_checkpoint("llama")), "--prefill", "1", "--decode", "1",
+                 "--worker-restarts", "0")  # fmt: skip
+    try:
+        want, _ = read_stream(cluster.url, LONG_STREAM)
+        (prefill,) = cluster.urls("prefill")
+        pid = pid_serving(prefill)
+        (core,) = child_pids(pid)
+        os.kill(core, signal.SIGSTOP)  # the next prefill waits in its engine
+        result = {}
+        reader = threading.Thread(target=lambda: result.update(
+            view=read_stream(cluster.url, LONG_STREAM)))  # fmt: skip
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not cluster.worker_load(prefill)["num_waiting"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for each in (core, pid) if killed == "worker" else (core,):
+            os.kill(each, signal.SIGKILL)
+        reader.join(timeout=60)
+        got, worker = result["view"]
+        assert worker in cluster.urls("decode")
+        assert_same_stream(got, want)
+        if killed == "worker":
+            del cluster.workers[prefill]
+        else:
+            wait_healthy(cluster, prefill)  # its engine restarted
+        cluster.wait_no_blocks()
     finally:
         cluster.stop()

@@ -22,12 +22,13 @@ A worker that cannot be reached, or refuses the request because its engine is go
 (a 503 coded `engine_not_running`), leaves its pool and the request is retried on
 another (reason "retry"); when no worker is healthy the client gets a 503 saying so. A
 worker whose queue is full (429) is skipped for this request; when every worker is, the
-client gets the last 429 and its Retry-After. A
-request that a worker had started is not retried when that worker's engine failed on it
-(a 503 of another code, or an error event) nor once its response began, and only once
-when the worker died before answering: it may be what failed the worker, and must not
-take down every worker in turn. A stream cut off mid-way ends with an OpenAI error event
-and [DONE].
+client gets the last 429 and its Retry-After. A request a worker failed on after taking
+it (the worker died before answering, or its engine stopped with the request in it: a
+503 or an error event coded `engine_stopped`, from a prefill worker too) goes to another
+worker at most --max-migrations times in all: it may be what failed the worker, and must
+not take down every worker in turn. A stream whose worker fails once it has begun is
+moved (`migrate.py`); one that cannot be moved ends with an OpenAI error event and
+[DONE].
 
 Anthropic's Messages API (`/v1/messages`) runs whole, never split between prefill and
 decode; its session is `x-session-affinity`, else the body's `metadata.user_id`; the
@@ -66,6 +67,7 @@ from ember.router.policy import Decision, Router, Worker
 from ember.router.state import RouterState
 from ember.server.errors import (
     ENGINE_NOT_RUNNING,
+    ENGINE_STOPPED,
     ERROR_CODE_HEADER,
     MESSAGES_PATH,
     error_body_for,
@@ -249,8 +251,8 @@ class _Call:
             if upstream.status_code == 503:
                 content = await upstream.aread()
                 await upstream.aclose()
-                if _error_code(upstream, content) == ENGINE_NOT_RUNNING:  # nothing started there
-                    self._worker_down(router, decision, "unavailable (503)", tried)
+                if self._engine_gone(_error_code(upstream, content)):
+                    self._worker_down(router, decision, "its engine is down (503)", tried)
                     continue
                 router.finish(decision)
                 return Response(content, 503, headers=self._response_headers(decision.worker),
@@ -312,11 +314,9 @@ class _Call:
                 pools.prefill.finish(decision)
                 return _failed_on(decision.worker, exc, self.path)
             pools.prefill.finish(decision)
-            if response.status_code != 503:
+            if not self._engine_gone(_failure_code(response)):
                 break
-            if _error_code(response, response.content) != ENGINE_NOT_RUNNING:
-                break
-            self._worker_down(pools.prefill, decision, "unavailable (503)", tried, finish=False)
+            self._worker_down(pools.prefill, decision, "its engine is down", tried, finish=False)
         prefill_url = decision.worker.url
         kv = _handed_over(response) if response.status_code == 200 else None
         if kv is None:  # an error, or the request finished on the prefill worker
@@ -339,10 +339,18 @@ class _Call:
         """A request that never reached a worker is retried; one that reached a worker that
         then died before answering (killed, restarted) is sent again up to --max-migrations
         times: it may be what killed the worker, and must not take down every worker."""
-        if _never_reached(exc):
-            return True
+        return _never_reached(exc) or self._may_resend()
+
+    def _may_resend(self) -> bool:
+        """Whether a request a worker failed on may go to another (--max-migrations)."""
         self.num_failures += 1
         return self.num_failures <= self.state.migration.max_migrations
+
+    def _engine_gone(self, code: str | None) -> bool:
+        """Whether a worker's answer says its engine is down: before it started the
+        request (sent elsewhere), or with the request in it (sent elsewhere, within the
+        bound on failures)."""
+        return code == ENGINE_NOT_RUNNING or (code == ENGINE_STOPPED and self._may_resend())
 
     def _response_headers(self, worker: Worker, extra: dict | None = None) -> dict[str, str]:
         headers = {WORKER_HEADER: worker.url, **(extra or {})}
@@ -377,6 +385,19 @@ def _error_code(response: httpx.Response, content: bytes) -> str | None:
         return code
     with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
         return json.loads(content)["error"]["code"]
+    return None
+
+
+def _failure_code(response: httpx.Response) -> str | None:
+    """The ember code of a whole answer's error: its error body's, or (an SSE stream) its
+    error event's."""
+    if response.status_code != 200:
+        return _error_code(response, response.content)
+    if "event-stream" not in response.headers.get("content-type", ""):
+        return None
+    for line in response.text.splitlines():
+        if line.startswith('data: {"error"'):
+            return _error_code(response, line[6:].encode())
     return None
 
 

@@ -196,8 +196,8 @@ class ServingBase:
         tasks = [asyncio.ensure_future(last(s)) for s in streams]
         try:
             return list(await asyncio.gather(*tasks))
-        except EngineDeadError as exc:  # coded so a router retries what was never started
-            code = None if exc.started else ENGINE_NOT_RUNNING
+        except EngineDeadError as exc:  # coded so a router sends it elsewhere
+            code = ENGINE_STOPPED if exc.started else ENGINE_NOT_RUNNING
             raise APIError(503, str(exc), code=code) from None
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
