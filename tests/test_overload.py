@@ -155,3 +155,30 @@ def test_a_full_worker_is_skipped_and_all_full_is_a_429(tiny_checkpoint):
         router.wait(30)
         for worker in workers:
             worker.stop()
+
+
+def test_a_client_that_leaves_while_sending_its_body_reaches_no_handler():
+    """Found by `make chaos` (disconnect storms): the router's handler read a body whose
+    client had gone and failed with ClientDisconnect; the guard now ends such a request
+    itself, answering no one."""
+    import asyncio
+
+    from ember.server.guard import Access, Guard
+
+    called, sent = [], []
+
+    async def app(scope, receive, send):
+        called.append(scope["path"])
+
+    messages = [{"type": "http.request", "body": b'{"pro', "more_body": True},
+                {"type": "http.disconnect"}]  # fmt: skip
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/completions", "headers": [(b"content-length", b"99")]}
+    asyncio.run(Guard(app, Access())(scope, receive, send))
+    assert called == [] and sent == []

@@ -121,14 +121,16 @@ class Guard:
             scope.setdefault("state", {})["tenant"] = tenant
         if refusal is None:
             refusal, receive = await self._limit_body(headers, receive, scope["path"])
+            if receive is None:  # the client left while it sent the body: no one to answer
+                return
         if refusal is not None:
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     async def _limit_body(self, headers: Headers, receive: Receive, path: str):
-        """(a 413 or 408 or None, the receive to hand on): the body read here, within its
-        size and its time."""
+        """(a 413 or 408 or None, the receive to hand on, None if the client left): the
+        body read here, within its size and its time."""
         limit = self.access.max_request_bytes
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -146,23 +148,23 @@ class Guard:
         chunks, size = [], 0
         while True:  # the server holds the client to a Content-Length; chunked: the limit
             message = await receive()
-            if message["type"] != "http.request":
-                return None, _replay([], message, receive)
+            if message["type"] != "http.request":  # http.disconnect
+                return None, None
             size += len(message.get("body", b""))
             if size > limit:
                 return _too_large(limit, path), receive
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                return None, _replay([body], None, receive)
+                return None, _replay(body, receive)
 
 
-def _replay(messages: list[Message], last: Message | None, receive: Receive) -> Receive:
-    """A receive that first returns what was already read, then the client's own."""
-    pending = list(messages) + ([last] if last is not None else [])
+def _replay(body: Message, receive: Receive) -> Receive:
+    """A receive that first returns the body already read, then the client's own."""
+    pending = [body]
 
     async def replay() -> Message:
-        return pending.pop(0) if pending else await receive()
+        return pending.pop() if pending else await receive()
 
     return replay
 
