@@ -138,6 +138,8 @@ class EngineCoreClient:
         if not self.alive:
             raise EngineDeadError("engine core is not running", started=False)
         with self._send_lock:
+            if self._closed:  # shut down meanwhile (a restart replaces a failed core)
+                raise EngineDeadError("engine core is not running", started=False)
             try:
                 self._input.send(self._encoder.encode(message), 0 if wait else zmq.NOBLOCK)
             except zmq.Again:
@@ -167,9 +169,10 @@ class EngineCoreClient:
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
-        self._closed = True
+        with self._send_lock:  # no send is halfway through when the socket closes
+            self._closed = True
+            self._input.close(linger=0)
         atexit.unregister(self.shutdown)
-        self._input.close(linger=0)
         self._output.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
