@@ -236,15 +236,22 @@ def test_every_listening_socket_is_on_loopback(pd):
     """Nothing of a default cluster listens beyond this machine: the router, the workers'
     HTTP and their KV endpoints all bind 127.0.0.1."""
     import subprocess
+    import time
 
     cluster, _ = pd
-    tree, todo = set(), [cluster.process.pid]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += child_pids(pid)
-    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
-    ours = [line for line in listening.splitlines() if any(f"pid={p}," in line for p in tree)]
+    deadline = time.monotonic() + 60  # (a worker killed by an earlier test is restarting)
+    while True:
+        tree, todo = set(), [cluster.process.pid]
+        while todo:
+            pid = todo.pop()
+            tree.add(pid)
+            todo += child_pids(pid)
+        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+        ours = [line for line in listening.splitlines()
+                if any(f"pid={p}," in line for p in tree)]  # fmt: skip
+        if len(ours) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(ours) >= 4  # the router, two workers' HTTP, the prefill worker's KV endpoint
     for line in ours:
         assert line.split()[3].startswith(("127.0.0.1:", "[::1]:")), line

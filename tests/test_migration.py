@@ -231,6 +231,7 @@ def test_a_stream_whose_worker_stalls_or_whose_engine_dies_moves(mixed):
     assert_same_stream(got, want)
     assert mixed.load()["decisions"]["migrate"] == moves + 1
     mixed.wait_no_blocks()  # the stalled worker aborted its copy once it woke
+    wait_healthy(mixed, stopped[0])  # (its health checks failed while it was stopped)
 
     def kill_engine(url):  # its API process stays, and ends the stream with an error event
         os.kill(child_pids(pid_serving(url))[0], signal.SIGKILL)

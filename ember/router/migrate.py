@@ -36,14 +36,13 @@ from dataclasses import dataclass
 
 import httpx
 
+from ember.router.run import DEFAULT_MAX_MIGRATIONS, DEFAULT_STALL_TIMEOUT_S
 from ember.server.errors import ENGINE_STOPPED, error_body
 from ember.server.resume import TRAIL_PREFIX
 
 logger = logging.getLogger("ember.router")
 
 MOVABLE_PATHS = ("/v1/chat/completions", "/v1/completions")
-DEFAULT_MAX_MIGRATIONS = 2
-DEFAULT_STALL_TIMEOUT_S = 30.0
 _TAIL = 4096  # bytes of the stream kept for its usage
 
 
@@ -170,11 +169,11 @@ async def moving_events(
                         for event in splice.feed(chunk):
                             yield event
                         if splice.engine_stopped:
-                            why = "its engine stopped"
+                            why = "lost its engine"
                             break
                     else:
                         if not splice.done:
-                            why = "its stream ended early"
+                            why = "ended its stream early"
             except _Stalled:
                 why, stalled = f"sent nothing for {migration.stall_timeout:g} s", True
             except httpx.HTTPError as exc:

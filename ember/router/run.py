@@ -10,10 +10,14 @@ import argparse
 import logging
 
 from ember import envs
-from ember.router.migrate import DEFAULT_MAX_MIGRATIONS, DEFAULT_STALL_TIMEOUT_S, Migration
 from ember.server.args import add_access_args
 
 logger = logging.getLogger("ember.router")
+
+# how the router moves streams whose worker fails (`migrate.py`), by default; here, so
+# that reading the flags imports nothing heavy (`ember serve` reads them first)
+DEFAULT_MAX_MIGRATIONS = 2
+DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +53,10 @@ def add_migration_args(parser: argparse.ArgumentParser) -> None:
                         "0: never)")  # fmt: skip
 
 
-def migration_of(args: argparse.Namespace) -> Migration:
+def migration_of(args: argparse.Namespace):
+    """The `Migration` the flags ask for."""
+    from ember.router.migrate import Migration
+
     return Migration(args.max_migrations, args.stall_timeout or None)
 
 
