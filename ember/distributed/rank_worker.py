@@ -190,4 +190,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # leave without running the C++ destructors: the process group's threads (Gloo, the
+    # TCPStore client) are still joinable then, and a joinable std::thread's destructor
+    # aborts the process ("terminate called without an active exception", exit 250);
+    # the channel is closed, nothing is left to clean up
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
