@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,3 +39,15 @@ def report(family: str, figures: dict) -> None:
     known = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
     known[family] = figures
     FIGURES.write_text(json.dumps(known, indent=2) + "\n")
+
+
+def run_for(seconds: float, stop: threading.Event, *targets: Callable[[], None]) -> None:
+    """Runs each target on a thread of its own for `seconds`, then sets `stop` (which the
+    targets watch) and waits for them."""
+    threads = [threading.Thread(target=target) for target in targets]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=180)

@@ -7,6 +7,7 @@ served it, so a client-visible error is a failure."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from conftest import report
+from conftest import report, run_for
 from server_utils import Up, child_pids, pid_serving
 
 CHAOS_SECONDS = 60
@@ -90,14 +91,8 @@ def test_kills_under_load_are_not_seen_by_clients(tiny_model, layout):
                     os.kill(child_pids(pid)[0], signal.SIGKILL)
                     kills["engine cores killed"] += 1
 
-        threads = [threading.Thread(target=load, args=(i,)) for i in range(CLIENTS)]
-        threads.append(threading.Thread(target=kill))
-        for thread in threads:
-            thread.start()
-        time.sleep(CHAOS_SECONDS)
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=180)
+        loads = [functools.partial(load, i) for i in range(CLIENTS)]
+        run_for(CHAOS_SECONDS, stop, *loads, kill)
         decisions = up.load()["decisions"]
         moved = sum(n for k, n in decisions.items() if k.endswith("migrate"))
         resent = sum(n for k, n in decisions.items() if k.endswith("retry"))

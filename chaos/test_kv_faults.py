@@ -6,13 +6,13 @@ with the text a single worker gives, and no block may stay used or held."""
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 
 import httpx
 import pytest
 
-from conftest import report
+from conftest import report, run_for
 from server_utils import WORKER_ARGS, EmberServer, Up
 
 SECONDS = 15
@@ -56,13 +56,7 @@ def test_failing_kv_transfers_fall_back_to_recompute(tiny_model, reference, faul
                     seen["streams"] += 1
                     seen["wrong or failed"] += not ok
 
-        threads = [threading.Thread(target=load, args=(i,)) for i in range(CLIENTS)]
-        for thread in threads:
-            thread.start()
-        time.sleep(SECONDS)
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=120)
+        run_for(SECONDS, stop, *[functools.partial(load, i) for i in range(CLIENTS)])
         (decode,) = up.urls("decode")
         transfer = up.worker_load(decode)["kv_transfer"]
         report(f"kv transfers {fault}", {**seen, "loads ok": transfer["loads_ok"],
