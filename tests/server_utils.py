@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,23 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             children.append(int(entry.name))
     return children
+
+
+def free_port_run(count: int = 8) -> int:
+    """The first of `count` consecutive ports that are all free now (`ember up` puts
+    worker i on --worker-port + i; a busy client can hold any ephemeral port)."""
+    for _ in range(100):
+        first = free_port()
+        if first + count > 65536:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise AssertionError(f"no {count} consecutive free ports")
 
 
 def pid_alive(pid: int) -> bool:
@@ -71,7 +89,7 @@ class Up:
         headers: dict[str, str] | None = None,
     ) -> None:
         self.headers = headers or {}  # what the router's /load needs (its API key)
-        self.port, worker_port = free_port(), free_port()
+        self.port, worker_port = free_port(), free_port_run()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "up", model, "--port", str(self.port),

@@ -437,3 +437,58 @@ def test_ember_up_restarts_a_killed_worker_and_it_serves_warm_from_disk(tiny_che
         cluster.wait_no_blocks()
     finally:
         cluster.stop()
+
+
+class _SmallDisk:
+    """A file system with room for `room` bytes of block files under one directory, in
+    place of DiskTier._write_file: ENOSPC past that, like a disk that fills up."""
+
+    def __init__(self, directory: Path, room: int) -> None:
+        self.directory, self.room = directory, room
+
+    def __call__(self, path: Path, header: bytes, data: bytes) -> None:
+        import errno
+
+        used = sum(p.stat().st_size for p in self.directory.rglob("*.kv?"))
+        if used + len(header) + len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        path.write_bytes(header + data)
+
+
+def _disk_tier(tmp_path: Path, monkeypatch, room: int):
+    from ember.kv.disk_tier import DiskTier
+    from ember.kv.tiers import TierCounters
+
+    monkeypatch.setattr(DiskTier, "_write_file", staticmethod(_SmallDisk(tmp_path, room)))
+    return DiskTier(tmp_path, 1 << 30, b"\x01" * 16, TierCounters())
+
+
+def test_a_full_disk_keeps_the_newest_blocks_that_fit(tmp_path, monkeypatch):
+    """A file system that fills up long before --kv-disk-size: the tier keeps the newest
+    blocks that fit (older ones make room), counts no error and takes more once there is
+    room again."""
+    size = 8192 + 36  # a block's file
+    tier = _disk_tier(tmp_path, monkeypatch, room=5 * size)
+    blocks = {bytes([i]) * 16: bytes([i]) * 8192 for i in range(12)}
+    for key, data in blocks.items():
+        tier.write(key, data)
+    kept = [key for key in blocks if tier.read(key, 8192) == blocks[key]]
+    assert kept == list(blocks)[-len(kept) :] and 4 <= len(kept) <= 5  # the newest
+    assert tier._stats.writes == 12 and tier._stats.write_errors == 0
+    assert tier.num_bytes <= 5 * size and tier.capacity < tier.given
+    tier._write_file.room = 9 * size  # room again: the tier grows back into it
+    for i in range(12, 24):
+        tier.write(bytes([i]) * 16, bytes([i]) * 8192)
+    assert tier.num_bytes > 5 * size and tier._stats.write_errors == 0
+
+
+def test_a_disk_that_fails_loses_blocks_not_requests(tmp_path, monkeypatch, caplog):
+    """Writes that fail (no room at all, or an I/O error) are counted and logged at most
+    once a minute; the tier holds nothing it did not write."""
+    tier = _disk_tier(tmp_path, monkeypatch, room=0)
+    with caplog.at_level("WARNING", logger="ember.kv"):
+        for i in range(10):
+            tier.write(bytes([i]) * 16, bytes([i]) * 8192)
+    assert tier._stats.write_errors == 10 and tier._stats.writes == 0
+    assert tier.num_bytes == 0 and tier.read(b"\x00" * 16, 8192) is None
+    assert sum("not written" in r.message for r in caplog.records) == 1

@@ -3,7 +3,8 @@ service is bounded, and every refusal is an OpenAI error with its status.
 
 - a request head that does not come within --read-timeout is a 408 and the connection is
   closed; so is a body that does not (the guard's deadline);
-- connections over --max-connections get a 503 at once;
+- connections over --max-connections get a 503 at once, which a client that has sent a
+  whole request reads before an orderly close (never a reset);
 - requests with more messages or tools than the limits are 400s naming the field;
 - behind a router, a worker whose queue is full (429) is skipped, and with every worker
   full the client gets the 429 and its Retry-After.
@@ -35,9 +36,10 @@ def server(tiny_checkpoint):
     assert server.stop() == 0
 
 
-def raw(url: str, data: bytes, wait: float = 5.0) -> bytes:
+def raw(url: str, data: bytes, wait: float = 5.0, resets: bool = True) -> bytes:
     """What the server answers on one connection that sends `data` (and then nothing)
-    before it closes the connection, read for at most `wait` seconds."""
+    before it closes the connection, read for at most `wait` seconds; unless `resets`, a
+    connection reset fails the test."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=wait) as sock:
         sock.sendall(data)
@@ -46,7 +48,8 @@ def raw(url: str, data: bytes, wait: float = 5.0) -> bytes:
             while chunk := sock.recv(65536):
                 answer += chunk
         except ConnectionResetError:  # closed with what we sent unread: the answer came first
-            pass
+            if not resets:
+                raise
     return answer
 
 
@@ -77,6 +80,14 @@ def test_connections_over_the_limit_get_a_503_at_once(server):
         time.sleep(0.2)
         status, error = status_and_error(raw(server.url, b"GET /health HTTP/1.1\r\n\r\n"))
         assert status == 503 and error["code"] == "too_many_connections"
+        # clients that send a whole request at once (as an HTTP client does) read the 503,
+        # then an orderly close: their unread request does not reset the connection
+        body = json.dumps({"prompt": "x" * 60_000, "max_tokens": 1}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                   b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: raw(server.url, request, resets=False), range(40)))
+        assert {status_and_error(a)[0] for a in answers} == {503}
     finally:
         for sock in held:
             sock.close()

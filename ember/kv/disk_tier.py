@@ -7,6 +7,7 @@ eviction) and serves warm."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -45,10 +46,12 @@ class DiskTier:
     ) -> None:
         self.dir = Path(directory) / space.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.capacity = capacity
+        self.given = capacity
+        self.capacity = capacity  # lowered to what fits while the file system is full
         self.session_ttl = session_ttl
         self._stats = stats
         self._lock = threading.Lock()
+        self._warned = -60.0  # when a failed write was last logged (time.monotonic())
         self.files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
         self.kept: OrderedDict[bytes, int] = OrderedDict()  # the sessions' blocks, LRU first
         self.kept_until: dict[bytes, float] = {}  # and when their TTL ends (time.time())
@@ -83,29 +86,64 @@ class DiskTier:
 
     def write(self, key: bytes, data: bytes, retain: bool = False) -> None:
         """Writes a block atomically (a temporary file renamed into place); one already
-        here is only kept longer if `retain` (its TTL starts again)."""
+        here is only kept longer if `retain` (its TTL starts again). A file system that
+        is full (or over quota) before `capacity` is reached lowers `capacity` to what it
+        holds, so older blocks make room for newer ones; each write that then finds room
+        raises it again by that block, back up to what the tier was given."""
         if key in self:
             if retain:
                 self._retain(key)
             return
         path = self.path(key, retain)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         header = _HEADER.pack(MAGIC, key, len(data), zlib.crc32(data))
+        size = len(header) + len(data)
+        for attempt in range(2):
+            try:
+                self._write_file(path, header, data)
+                break
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 0:
+                    self._full(size)  # room made: once more
+                    continue
+                self._stats.write_errors += 1
+                if time.monotonic() - self._warned >= 60:  # a broken disk: one line a minute
+                    self._warned = time.monotonic()
+                    logger.warning("KV block not written to %s: %s (%d writes failed so far)",
+                                   path, exc, self._stats.write_errors)  # fmt: skip
+                return
+        with self._lock:
+            if attempt == 0 and self.capacity < self.given:  # room again (freed elsewhere)
+                self.capacity = min(self.capacity + size, self.given)
+            (self.kept if retain else self.files)[key] = size
+            self.num_bytes += size
+            if retain:
+                self.kept_until[key] = time.time() + self.session_ttl
+            self._stats.writes += 1
+            self._evict()
+
+    @staticmethod
+    def _write_file(path: Path, header: bytes, data: bytes) -> None:
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(data)
             os.replace(tmp, path)
-        except OSError as exc:
+        except OSError:
             tmp.unlink(missing_ok=True)
-            logger.warning("KV block not written to %s: %s", path, exc)
-            return
+            raise
+
+    def _full(self, size: int) -> None:
+        """The file system is full: the tier keeps at most what it holds now, less one
+        block's room for the block being written."""
         with self._lock:
-            (self.kept if retain else self.files)[key] = len(header) + len(data)
-            self.num_bytes += len(header) + len(data)
-            if retain:
-                self.kept_until[key] = time.time() + self.session_ttl
-            self._stats.writes += 1
+            capacity = max(self.num_bytes - size, 0)
+            if capacity < self.capacity:
+                if self.capacity == self.given:
+                    logger.warning("the disk under %s is full: the disk tier keeps what fits "
+                                   "(%d bytes now; it was given %d)", self.dir, capacity,
+                                   self.given)  # fmt: skip
+                self.capacity = capacity
             self._evict()
 
     def _retain(self, key: bytes) -> None:

@@ -62,6 +62,7 @@ class TierCounters:
     writes_dropped: int = 0  # its writer fell behind by MAX_PENDING_WRITE_BYTES, or it refused
     evictions: int = 0
     corrupt: int = 0  # blocks that failed their checks (dropped)
+    write_errors: int = 0  # writes that failed (a full disk once older blocks are gone)
 
 
 TIERS = ("host", "disk", "cluster")

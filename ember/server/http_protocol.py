@@ -6,8 +6,11 @@ forever for a request line and headers that come a byte at a time: a few slow cl
 could hold every connection a worker has. Here a connection that has not sent a whole
 request head within `read_timeout` seconds of connecting, or of the first byte after its
 last response, gets a 408 and is closed (the body's deadline is the guard's, `guard.py`),
-and a connection over `max_connections` gets a 503 and is closed at once, so that what a
-flood of clients costs a process is bounded. `uvicorn_options` are the settings every
+and a connection over `max_connections` gets a 503 at once and does not count, so that
+what a flood of clients costs a process is bounded. A refused connection is closed the
+lingering way: the response, then our end of the stream, then whatever the client still
+sends is read and dropped until it closes (or LINGER_S): closing a socket with unread
+bytes resets the connection, and a client can lose the response to the reset. `uvicorn_options` are the settings every
 ember service runs uvicorn with.
 """
 
@@ -45,6 +48,7 @@ _TOO_MANY = _response(
     "too_many_connections",
 )
 KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this long (uvicorn's)
+LINGER_S = 2.0  # how long a refused connection waits for its client to close
 
 
 class TimedH11Protocol(H11Protocol):
@@ -53,16 +57,28 @@ class TimedH11Protocol(H11Protocol):
         self.read_timeout = read_timeout
         self.max_connections = max_connections
         self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            transport.write(_TOO_MANY)
-            transport.close()
+            self.connections.discard(self)  # a refused connection does not count
+            self._refuse(_TOO_MANY)
             return
         self._arm()
 
+    def _refuse(self, response: bytes) -> None:
+        """Sends `response` and ends the connection the lingering way (see above); the
+        transport closes itself when the client's end of the stream comes."""
+        self._refused = True
+        self.transport.write(response)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped
         if self._waiting_for_head() and self._head_timer is None:
             self._arm()
         super().data_received(data)
@@ -90,8 +106,7 @@ class TimedH11Protocol(H11Protocol):
             logger.info(
                 "closed a connection that sent no request head in %.0f s", self.read_timeout
             )
-            self.transport.write(_TIMED_OUT)
-            self.transport.close()
+            self._refuse(_TIMED_OUT)
 
 
 def uvicorn_options(read_timeout: float, max_connections: int) -> dict:

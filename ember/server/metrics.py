@@ -190,7 +190,8 @@ class ServerMetrics:
 
 
 _TIER_EVENTS = {"hit": "hits", "write": "writes", "write_dropped": "writes_dropped",
-                "eviction": "evictions", "corrupt": "corrupt"}  # fmt: skip
+                "eviction": "evictions", "corrupt": "corrupt",
+                "write_error": "write_errors"}  # fmt: skip
 
 
 class RequestTimer:
