@@ -23,6 +23,7 @@ moved.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -61,6 +62,7 @@ class Soak:
         self.counts = {"requests": 0, "left on purpose": 0, "client-visible errors": 0,
                        "workers killed": 0, "engine cores killed": 0}  # fmt: skip
         self.samples: list[tuple[float, dict[str, float]]] = []
+        self.chunks: list[int] = []  # the router's prefix-table entries, at each sample
 
     def count(self, key: str) -> None:
         with self.lock:
@@ -136,6 +138,10 @@ class Soak:
             router = [p for p in child_pids(self.up_pid) if b"router" in _cmdline(p)]
             for pid in router:
                 sample["router"] = rss_mb(pid) or 0.0
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                workers = httpx.get(f"{self.url}/load", timeout=10).json()["workers"]
+                # the router's prefix table: an LRU that grows to its bound, not a leak
+                self.chunks.append(sum(w["prefix_chunks"] for w in workers))
             for i, url in enumerate(self.workers):
                 try:
                     api = pid_serving(url)
@@ -145,6 +151,14 @@ class Soak:
                 for core in child_pids(api):
                     sample[f"worker {i} core"] = rss_mb(core) or 0.0
             self.samples.append((time.monotonic() - start, sample))
+
+
+def _fifths(values: list[int]) -> dict[str, float]:
+    """The mean over the second fifth of a run and over its last fifth (as `drift`)."""
+    n = len(values)
+    early, late = values[n // 5 : 2 * n // 5], values[4 * n // 5 :]
+    return {"after_warmup": round(statistics.mean(early or [0])),
+            "at_end": round(statistics.mean(late or [0]))}  # fmt: skip
 
 
 def _cmdline(pid: int) -> bytes:
@@ -202,7 +216,9 @@ def main() -> None:
         result = {"minutes": args.minutes, **soak.counts,
                   "streams moved": decisions.get("migrate", 0),
                   "requests re-sent": decisions.get("retry", 0),
-                  "rss": drift(soak.samples), "samples": soak.samples}  # fmt: skip
+                  "rss": drift(soak.samples),
+                  "router prefix chunks": _fifths(soak.chunks),
+                  "samples": soak.samples}  # fmt: skip
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     finally:

@@ -38,20 +38,28 @@ def worker(tiny_checkpoint):
     server.stop()
 
 
-def events_of(url: str, path: str, body: dict, headers: dict) -> list[tuple[list[int], bytes]]:
-    """A stream's events, each as (its token trail, its data line)."""
+def events_of(
+    url: str, path: str, body: dict, headers: dict, units: list | None = None
+) -> list[tuple[list[int], bytes]]:
+    """A stream's events, each as (its token trail, its event); `units` gets the index of
+    each event that begins a unit (events a trail binds together, `: tokens ... +K`)."""
     out = []
     with httpx.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=60) as response:
         assert response.status_code == 200, response.read()
         raw = response.read()
+    left = 0
     for event in raw.split(b"\n\n"):
         if not event:
             continue
-        trail: list[int] = []
+        trail, more = [], 0
         if event.startswith(b": tokens "):
             line, _, event = event.partition(b"\n")
-            trail = [int(t) for t in line[len(b": tokens ") :].split(b",")]
-        assert event.startswith(b"data: "), event
+            ids, _, more = line[len(b": tokens ") :].partition(b" +")
+            trail, more = [int(t) for t in ids.split(b",") if t.strip()], int(more or 0)
+        if left == 0 and units is not None:
+            units.append(len(out))
+        left = max(left - 1, more)
+        assert event.startswith((b"data: ", b"event: ")), event
         out.append((trail, event))
     return out
 
@@ -123,6 +131,112 @@ def test_a_stream_resumed_from_any_event_reads_as_the_undisturbed_one(worker, pa
         whole["usage"]["prompt_tokens_details"].pop("cached_tokens", None)
         assert spliced.pop("logprobs") == pytest.approx(whole["logprobs"], abs=1e-4)
         assert spliced == {k: v for k, v in whole.items() if k != "logprobs"}, cut
+    assert worker.wait_idle()["kv_blocks_used"] == 0
+
+
+def messages_view(events: list[bytes]) -> dict:
+    """What an Anthropic client reads from a Messages stream: the message's id, its
+    blocks opened and closed in order, each block's text, the stop reason, the usage."""
+    view = {"ids": [], "blocks": [], "text": {}, "stop": [], "output_tokens": None,
+            "input_tokens": None, "stops": 0}  # fmt: skip
+    for event in events:
+        name, _, data = event.partition(b"\n")
+        body = json.loads(data.removeprefix(b"data: "))
+        assert body["type"] == name.removeprefix(b"event: ").decode() != "error", body
+        if body["type"] == "message_start":
+            view["ids"].append(body["message"]["id"])
+        elif body["type"] == "content_block_start":
+            view["blocks"].append((body["index"], body["content_block"]["type"]))
+        elif body["type"] == "content_block_delta":
+            delta = body["delta"]
+            piece = delta.get("text") or delta.get("thinking") or delta.get("partial_json")
+            view["text"][body["index"]] = view["text"].get(body["index"], "") + piece
+        elif body["type"] == "content_block_stop":
+            view["blocks"].append((body["index"], "stop"))
+        elif body["type"] == "message_delta":
+            view["stop"].append(body["delta"]["stop_reason"])
+            usage = body["usage"]
+            view["output_tokens"] = usage["output_tokens"]
+            view["input_tokens"] = usage["input_tokens"] + usage["cache_read_input_tokens"]
+        view["stops"] += body["type"] == "message_stop"
+    return view
+
+
+def responses_view(events: list[bytes]) -> dict:
+    """What an OpenAI client reads from a Responses stream: the events numbered 0, 1, ...
+    in order, the response's id, its items as announced and as completed, the text."""
+    view = {"ids": set(), "added": [], "text": "", "done": [], "final": None}
+    for number, event in enumerate(events):
+        name, _, data = event.partition(b"\n")
+        body = json.loads(data.removeprefix(b"data: "))
+        assert body["type"] == name.removeprefix(b"event: ").decode(), body
+        assert body["sequence_number"] == number, (number, body)
+        kind = body["type"]
+        assert kind not in ("error", "response.failed"), body
+        if "response" in body:
+            view["ids"].add(body["response"]["id"])
+        if kind == "response.output_item.added":
+            item = body["item"]
+            view["added"].append((item["id"], item["type"], item.get("call_id")))
+        elif kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            view["text"] += body["delta"]
+        elif kind in ("response.output_text.done", "response.function_call_arguments.done"):
+            view["done"].append(body.get("text") or body.get("arguments"))
+        elif kind in ("response.completed", "response.incomplete"):
+            final = body["response"]
+            items = [(i["id"], i["type"], i.get("call_id"), i.get("arguments"),
+                      [p["text"] for p in i.get("content") or []]) for i in final["output"]]  # fmt: skip
+            usage = final["usage"]
+            view["final"] = (final["status"], items, usage["output_tokens"], usage["input_tokens"])
+    return view
+
+
+def served_model(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", headers=ROUTER).json()["data"][0]["id"]
+
+
+LAYERED = [
+    ("/v1/messages", {"max_tokens": 40, "temperature": 0.9, "seed": 3,
+                      "messages": [{"role": "user", "content": PROMPT}]}),
+    ("/v1/responses", {"max_output_tokens": 40, "temperature": 0, "input": PROMPT}),
+    ("/v1/responses", {"max_output_tokens": 40, "temperature": 0, "input": PROMPT,
+                       "tools": [{"type": "function", "name": "f", "parameters": {
+                           "type": "object", "properties": {"city": {"type": "string"}}}}],
+                       "tool_choice": {"type": "function", "name": "f"}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body", LAYERED, ids=["messages", "responses", "responses-tool"])
+def test_a_messages_or_responses_stream_resumed_from_any_event_reads_as_the_undisturbed_one(
+    worker, path, body
+):
+    """The APIs layered on the chat stream: a stream cut after any event and resumed
+    (tokens, id, time and events so far) reads as the undisturbed one: Anthropic's blocks
+    in order under one message, the Responses events numbered on without a gap, the same
+    item ids and tool-call ids, one usage for the whole answer."""
+    body = dict(body, stream=True, model=served_model(worker.url))
+    view = messages_view if path == "/v1/messages" else responses_view
+    units: list[int] = []  # a router cuts a stream only between units
+    events = events_of(worker.url, path, body, TRAIL, units)
+    whole = view([e for _, e in events])
+    trail = [t for ids, _ in events for t in ids]
+    assert len(units) < len(events)  # some chat chunks made several events: bound together
+    if path == "/v1/messages":
+        assert whole["stops"] == 1 and whole["output_tokens"] == len(trail) > 0
+        head = json.loads(events[0][1].partition(b"\n")[2][6:])["message"]
+        first, created = head["id"], 0
+    else:
+        assert whole["final"] is not None and whole["final"][2] == len(trail) > 0
+        head = json.loads(events[0][1].partition(b"\n")[2][6:])["response"]
+        first, created = head["id"], head["created_at"]
+    plain = events_of(worker.url, path, body, ROUTER)  # no trail asked: the same stream
+    assert view([e for _, e in plain])["text"] == whole["text"]
+    for cut in units[1:]:
+        sent = [t for ids, _ in events[:cut] for t in ids]
+        resume = {"token_ids": sent, "id": first, "created": created, "events": cut}
+        rest = events_of(worker.url, path, dict(body, resume_params=resume), TRAIL)
+        assert [t for ids, _ in rest for t in ids] == trail[len(sent) :], cut
+        assert view([e for _, e in events[:cut]] + [e for _, e in rest]) == whole, cut
     assert worker.wait_idle()["kv_blocks_used"] == 0
 
 
@@ -241,6 +355,50 @@ def test_a_stream_whose_worker_stalls_or_whose_engine_dies_moves(mixed):
     assert mixed.load()["decisions"]["migrate"] == moves + 2
     wait_healthy(mixed, first)  # its API process restarted the engine; the router re-admits it
     assert mixed.worker_load(first)["engine_restarts"] == 1
+    mixed.wait_no_blocks()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_a_messages_or_responses_stream_whose_worker_is_killed_goes_on(mixed, path):
+    model = served_model(mixed.url)
+    if path == "/v1/messages":
+        body, view = (
+            {"max_tokens": 300, "messages": [{"role": "user", "content": PROMPT}]},
+            messages_view,
+        )
+    else:
+        body, view = {"max_output_tokens": 300, "input": PROMPT}, responses_view
+    body = dict(body, model=model, stream=True, temperature=0)
+
+    def read(after=None) -> list[bytes]:
+        events = []
+        with httpx.stream("POST", f"{mixed.url}{path}", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            pending = b""
+            for chunk in response.iter_raw():
+                *complete, pending = (pending + chunk).split(b"\n\n")
+                for event in complete:
+                    assert not event.startswith(b":"), event  # trails stay in the cluster
+                    events.append(event)
+                    if len(events) == 6 and after is not None:
+                        after(response.headers["x-ember-worker"])
+        return events
+
+    want = view(read())
+    moves = mixed.load()["decisions"].get("migrate", 0)
+    killed = []
+    got = view(read(lambda url: (signal_worker(url, signal.SIGKILL), killed.append(url))))
+    assert len(got.pop("ids")) == len(want.pop("ids")) == 1  # each stream its own id
+    if path == "/v1/messages":
+        assert got == want
+    else:  # (and so its items' ids): the same text, items, status and usage
+        for seen in (got, want):
+            status, items, *usage = seen.pop("final")
+            seen["final"] = (status, [(kind, text) for _, kind, _, _, text in items], usage)
+            seen["added"] = [kind for _, kind, _ in seen["added"]]
+        assert got == want
+    assert mixed.load()["decisions"]["migrate"] == moves + 1
+    wait_healthy(mixed, killed[0])
     mixed.wait_no_blocks()
 
 

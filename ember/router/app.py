@@ -13,17 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
-from ember.router.forward import (
-    RESPONSES_PATH,
-    client_headers,
-    forward,
-    no_workers,
-    to_any_worker,
-)
+from ember.router.forward import client_headers, forward, no_workers, to_any_worker
 from ember.router.migrate import Migration
 from ember.router.policy import Pools, Router
 from ember.router.state import RouterState
-from ember.server.errors import MESSAGES_PATH, error_body
+from ember.server.errors import MESSAGES_PATH, RESPONSES_PATH, error_body
 from ember.server.guard import Access, Guard
 
 
@@ -97,7 +91,8 @@ def build_router_app(
             "workers": [
                 {"url": w.url, "pool": w.kind, "healthy": w.healthy,
                  "tokens_in_flight": w.tokens_in_flight,
-                 "requests_in_flight": w.requests_in_flight, "reported": w.reported}
+                 "requests_in_flight": w.requests_in_flight, "reported": w.reported,
+                 "prefix_chunks": len(w.chunks)}  # its prefix table (at most 200,000)
                 for w in pools.workers
             ],
             "decisions": dict(state.decisions),

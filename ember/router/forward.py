@@ -70,12 +70,11 @@ from ember.server.errors import (
     ENGINE_STOPPED,
     ERROR_CODE_HEADER,
     MESSAGES_PATH,
+    RESPONSES_PATH,
     error_body_for,
 )
 
 logger = logging.getLogger("ember.router")
-
-RESPONSES_PATH = "/v1/responses"
 
 
 def no_workers(path: str = "") -> JSONResponse:
@@ -205,6 +204,7 @@ class _Call:
         if self.movable and upstream.status_code == 200 and "event-stream" in media_type:
             state = self.state
             events = moving_events(
+                self.path,
                 self._leg(router, decision, upstream),
                 self._reopen,
                 state.migration,
@@ -280,15 +280,15 @@ class _Call:
         pool = self.state.pools.for_whole_requests()
         opened = await self._open(pool, raw, tried, reason="migrate")
         if isinstance(opened, Response):
-            return (
-                None if opened.status_code == 503 else stream_end(opened.status_code, opened.body)
-            )
+            if opened.status_code == 503:
+                return None
+            return stream_end(splice, opened.status_code, opened.body)
         router, decision, upstream = opened
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
             router.finish(decision)
-            return stream_end(upstream.status_code, content)
+            return stream_end(splice, upstream.status_code, content)
         return self._leg(router, decision, upstream)
 
     async def disaggregated(self):

@@ -1,15 +1,19 @@
 """Live stream migration: a stream whose worker fails goes on from another worker.
 
-A stream the router can move (chat or completions, one sequence of one prompt, and the
-cluster secret, which workers need to take `resume_params`) is relayed event by event
-rather than byte by byte. Its worker sends each event with the token ids it is the text
-of (the token trail, `ember.server.resume`); the router strips them and keeps, in a
-`Splice`, what the client has been sent: the tokens, the stream's id and `created`,
-whether a `finish_reason` went out.
+A stream the router can move (chat, completions, Anthropic's Messages or the Responses
+API; one sequence of one prompt; not a Responses turn that continues a stored one, which
+lives on its first worker alone; and the cluster secret, which workers need to take
+`resume_params`) is relayed event by event rather than byte by byte. Its worker sends
+each event with the token ids it is the text of (the token trail, `ember.server.resume`);
+the router strips them and keeps, in a `Splice`, what the client has been sent: the
+tokens, the number of events, the stream's id and its time (`created`, a Message's none,
+a response's `created_at`), whether its finish went out (a `finish_reason`, Anthropic's
+`message_delta`, the response's last event).
 
 The worker fails when its connection breaks (killed, its host gone), when it ends the
 stream with an `engine_stopped` error event (its engine died, or it is shutting down),
-when the stream ends without `[DONE]`, or when no event comes for `--stall-timeout`
+when the stream ends without its last event (`[DONE]`, `message_stop`, the response's
+`response.completed`, or an error event of the request's own), or when no event comes for `--stall-timeout`
 seconds once this worker has sent a token (the wait for a first token, a prefill that may
 be long, is not timed). The router then closes that stream (a live worker aborts the
 request), takes the worker out of its pool unless it only stalled, and sends the request
@@ -37,13 +41,18 @@ from dataclasses import dataclass
 import httpx
 
 from ember.router.run import DEFAULT_MAX_MIGRATIONS, DEFAULT_STALL_TIMEOUT_S
-from ember.server.errors import ENGINE_STOPPED, error_body
-from ember.server.resume import TRAIL_PREFIX
+from ember.server.errors import ENGINE_STOPPED, MESSAGES_PATH, RESPONSES_PATH, error_body_for
+from ember.server.resume import STOPPED_MARK, split_trail
 
 logger = logging.getLogger("ember.router")
 
-MOVABLE_PATHS = ("/v1/chat/completions", "/v1/completions")
+MOVABLE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH, RESPONSES_PATH)
 _TAIL = 4096  # bytes of the stream kept for its usage
+# the events (by their `event:` name) that end a Messages or Responses stream, and those
+# after which nothing is left to move (its finish went out)
+_LAST = {b"message_stop", b"error", b"response.completed", b"response.incomplete",
+         b"response.failed"}  # fmt: skip
+_FINISHING = {b"message_delta", *_LAST}
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,18 @@ class Migration:
 def movable(path: str, body: dict, one_sequence: bool, secret: bytes | None) -> bool:
     """Whether the router can move this request's stream to another worker."""
     streamed = body.get("stream") is True
-    return secret is not None and path in MOVABLE_PATHS and streamed and one_sequence
+    stored = body.get("previous_response_id") is not None  # on its first worker alone
+    return secret is not None and path in MOVABLE_PATHS and streamed and one_sequence and not stored
 
 
 class Splice:
     """What the client has had of a stream: complete events pass through `feed`, their
-    token trails are taken off and kept."""
+    token trails are taken off and kept. Events a trail binds into one unit (the events
+    a Messages or Responses writer makes of one chat chunk) go out together once the
+    unit is whole: a stream cut inside a unit is moved from before it."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.token_ids: list[int] = []
         self.response_id: str | None = None
         self.created: int | None = None
@@ -81,10 +94,14 @@ class Splice:
         self.engine_stopped = False  # the worker's engine stopped mid-stream
         self.tail = b""  # the last bytes sent (the final usage is there)
         self._pending = b""
+        self._unit: list[bytes] = []  # the events of a unit not yet whole
+        self._unit_tokens: list[int] = []  # ... and its tokens
+        self._unit_left = 0  # ... and how many of its events are still to come
 
     def restart(self) -> None:
         """A new worker's stream begins (what was half read of the last one is dropped)."""
         self._pending = b""
+        self._unit, self._unit_tokens, self._unit_left = [], [], 0
         self.engine_stopped = False
 
     def feed(self, chunk: bytes) -> list[bytes]:
@@ -93,39 +110,78 @@ class Splice:
         *events, self._pending = self._pending.split(b"\n\n")
         out = []
         for event in events:
-            event = self._take(event)
-            if event is not None:
-                out.append(event)
-                self.tail = (self.tail + event)[-_TAIL:]
+            if not event:
+                continue
+            tokens, more, event = split_trail(event)
+            if self._unit_left == 0:  # a unit begins: this event and `more` after it
+                self._unit_left = more + 1
+            self._unit.append(event)
+            self._unit_tokens += tokens
+            self._unit_left -= 1
+            if self._unit_left == 0:
+                unit, self._unit = self._unit, []
+                self.token_ids += self._unit_tokens
+                self._unit_tokens = []
+                for whole in filter(None, map(self._take, unit)):
+                    out.append(whole)
+                    self.tail = (self.tail + whole)[-_TAIL:]
         return out
 
     def resume_params(self) -> dict:
-        return {"token_ids": self.token_ids, "id": self.response_id, "created": self.created}
+        return {"token_ids": self.token_ids, "id": self.response_id, "created": self.created,
+                "events": self.num_events}  # fmt: skip
+
+    def failure(self, status: int, message: str, code: str | None) -> bytes:
+        """The last events of this stream when it cannot go on, in its API's shape."""
+        if self.path == RESPONSES_PATH:  # the Responses API's error event, numbered
+            event = {"type": "error", "code": code, "message": message, "param": None,
+                     "sequence_number": self.num_events}  # fmt: skip
+            return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+        body = json.dumps(error_body_for(self.path, status, message, None, code))
+        if self.path == MESSAGES_PATH:
+            return f"event: error\ndata: {body}\n\n".encode()
+        return f"data: {body}\n\ndata: [DONE]\n\n".encode()
 
     def _take(self, event: bytes) -> bytes | None:
-        trail: list[int] = []
-        if event.startswith(TRAIL_PREFIX):
-            line, _, event = event.partition(b"\n")
-            trail = [int(t) for t in line[len(TRAIL_PREFIX) :].split(b",")]
+        """The event as the client gets it (None: not the client's), noted."""
         if not event:
             return None
-        data = event[6:] if event.startswith(b"data: ") else b""
-        if data == b"[DONE]":
+        if event.startswith(STOPPED_MARK):  # a Messages or Responses engine_stopped error
+            self.engine_stopped = True
+            return None
+        name = b""
+        if event.startswith(b"event: "):
+            line, _, rest = event.partition(b"\n")
+            name = line[len(b"event: ") :]
+        else:
+            rest = event
+        data = rest[6:] if rest.startswith(b"data: ") else b""
+        if data == b"[DONE]" or name in _LAST:
             self.done = True
-        elif data.startswith(b'{"error"'):
+        if data.startswith(b'{"error"'):
             if _error_code(data) == ENGINE_STOPPED:  # not the client's: the stream moves
                 self.engine_stopped = True
                 return None
         elif data.startswith(b"{"):
             if self.response_id is None:
-                with contextlib.suppress(ValueError, TypeError):
-                    head = json.loads(data)
-                    self.response_id, self.created = head["id"], head["created"]
+                self._head(data)
             # the workers' compact JSON: an unescaped quote cannot come from inside a string
-            self.finished = self.finished or b'"finish_reason":"' in data
-        self.token_ids.extend(trail)
+            self.finished = self.finished or b'"finish_reason":"' in data or name in _FINISHING
         self.num_events += 1
         return event + b"\n\n"
+
+    def _head(self, data: bytes) -> None:
+        """The stream's id and time, from its first event that names them: a chunk, the
+        Message of `message_start`, the response of `response.created`."""
+        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+            head = json.loads(data)
+            if "message" in head:
+                self.response_id, self.created = head["message"]["id"], 0
+            elif "response" in head:
+                head = head["response"]
+                self.response_id, self.created = head["id"], head["created_at"]
+            else:
+                self.response_id, self.created = head["id"], head["created"]
 
 
 def _error_code(data: bytes) -> str | None:
@@ -153,10 +209,14 @@ Reopen = Callable[[Splice, set[str]], Awaitable["Leg | bytes | None"]]
 
 
 async def moving_events(
-    leg: Leg, reopen: Reopen, migration: Migration, record_usage: Callable[[bytes], None]
+    path: str,
+    leg: Leg,
+    reopen: Reopen,
+    migration: Migration,
+    record_usage: Callable[[bytes], None],
 ) -> AsyncIterator[bytes]:
     """The client's events of a stream that moves to another worker when its own fails."""
-    splice, tried, moves = Splice(), {leg.url}, 0
+    splice, tried, moves = Splice(path), {leg.url}, 0
     try:
         while True:
             why, stalled = None, False
@@ -184,7 +244,7 @@ async def moving_events(
             await ended.end(not stalled)  # a stalled worker stays in its pool
             if splice.finished or moves >= migration.max_migrations:
                 logger.warning("worker %s %s; the stream ends there", ended.url, why)
-                yield _lost_stream(why, moves, "no moves were left")
+                yield _lost_stream(splice, why, moves, "no moves were left")
                 return
             logger.warning("worker %s %s; moving its stream", ended.url, why)
             moves += 1
@@ -192,7 +252,7 @@ async def moving_events(
             opened = await reopen(splice, tried)
             if opened is None:
                 logger.warning("no worker could take the stream of worker %s", ended.url)
-                yield _lost_stream(why, moves - 1, "no other worker could take it")
+                yield _lost_stream(splice, why, moves - 1, "no other worker could take it")
                 return
             if isinstance(opened, bytes):
                 yield opened
@@ -220,22 +280,17 @@ async def _chunks(upstream: httpx.Response, timeout, splice: Splice, start: int)
         yield chunk
 
 
-def _lost_stream(reason: str, moves: int, because: str) -> bytes:
+def _lost_stream(splice: Splice, reason: str, moves: int, because: str) -> bytes:
     """The last events of a stream that could not go on."""
     message = f"the worker {reason}; the stream was not moved on: {because} ({moves} moves made)"
-    event = json.dumps(error_body(502, message, None, "worker_failed"))
-    return f"data: {event}\n\ndata: [DONE]\n\n".encode()
+    return splice.failure(502, message, "worker_failed")
 
 
-def stream_end(status: int, content: bytes) -> bytes:
+def stream_end(splice: Splice, status: int, content: bytes) -> bytes:
     """The last events of a moved stream whose new worker refused it (`content`: its
-    error body, relayed when it is one)."""
-    try:
-        body = json.loads(content)
-        if not isinstance(body, dict) or "error" not in body:
-            raise ValueError
-    except ValueError:
-        body = error_body(
-            502, f"the stream could not be moved (HTTP {status})", None, "worker_failed"
-        )
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    error body, whose message and code are relayed when it is one)."""
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        error = json.loads(content)["error"]
+        if isinstance(error["message"], str):
+            return splice.failure(status, error["message"], error.get("code"))
+    return splice.failure(502, f"the stream could not be moved (HTTP {status})", "worker_failed")

@@ -100,8 +100,10 @@ def build_app(
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        response_id = new_response_id()  # known before a stream starts: routers keep it
-        work = responses.create(body, _context(request), response_id)
+        ctx = _stream_context(request, _context(request), body)
+        # known before a stream starts: routers keep it (a moved stream keeps its own)
+        response_id = new_response_id() if ctx.resume is None else ctx.resume.id
+        work = responses.create(body, ctx, response_id)
         return await _respond(work, request, {RESPONSE_ID_HEADER: response_id})
 
     @app.get("/v1/responses/{response_id}")
@@ -168,9 +170,15 @@ def build_app(
 async def _serve(serving, body, request: Request):
     secret = request.app.state.cluster_secret
     ctx = _context(request, body.cache_salt, kv_transfer_of(body, secret), body.kv_retention)
+    return await _respond(serving.create(body, _stream_context(request, ctx, body)), request)
+
+
+def _stream_context(request: Request, ctx: RequestContext, body) -> RequestContext:
+    """`ctx` with what a router asks of a stream: its token trail, and where a moved
+    stream goes on from (`resume.py`)."""
     trail = request.headers.get(STREAM_TOKENS_HEADER) == "1"
-    ctx = dataclasses.replace(ctx, resume=resume_of(body, secret), trail=trail)
-    return await _respond(serving.create(body, ctx), request)
+    resume = resume_of(body, request.app.state.cluster_secret)
+    return dataclasses.replace(ctx, resume=resume, trail=trail)
 
 
 def _context(

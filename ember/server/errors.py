@@ -44,6 +44,7 @@ ENGINE_NOT_RUNNING = "engine_not_running"
 ENGINE_STOPPED = "engine_stopped"
 
 MESSAGES_PATH = "/v1/messages"  # the Anthropic Messages API: errors in Anthropic's shape
+RESPONSES_PATH = "/v1/responses"
 ERROR_CODE_HEADER = "x-ember-error-code"  # an Anthropic-shaped error's ember code
 
 _ANTHROPIC_TYPES = {

@@ -162,6 +162,8 @@ class MessagesRequest(_Body):
     # keeps the prompt's KV as an agent session's
     cache_salt: str | None = None
     kv_retention: Literal["session"] | None = None
+    seed: int | None = Field(None, **BOUNDS["seed"].schema())  # as on the chat endpoint
+    resume_params: dict[str, Any] | None = None  # ember's router only (server/resume.py)
     # refused unless null (see _REFUSED)
     container: Any = None
     diagnostics: Any = None
@@ -193,6 +195,7 @@ class MessagesRequest(_Body):
             "stream": self.stream,
             "user": self.metadata.user_id if self.metadata else None,
             "cache_salt": self.cache_salt,
+            "seed": self.seed,
             **self._chat_tools(),
         }
         try:

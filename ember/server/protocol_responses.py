@@ -123,6 +123,8 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    seed: int | None = _bounded("seed")  # ember's own, as on the chat endpoint
+    resume_params: dict[str, Any] | None = None  # ember's router only (server/resume.py)
     # not implemented (refused unless null or harmless, see _NOT_IMPLEMENTED)
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
@@ -155,6 +157,7 @@ class ResponsesRequest(BaseModel):
             "stream": self.stream,
             "stream_options": {"include_usage": True} if self.stream else None,
             "user": self.user,
+            "seed": self.seed,
         }
         if self.tools:
             fields["tools"] = [_chat_tool(t) for t in self.tools]

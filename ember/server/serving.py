@@ -49,6 +49,10 @@ class RequestContext:
     # called with each engine output before the endpoint answers from it: what an API
     # layered on another endpoint reads there (usage, the stop string that matched)
     observe: Callable[[RequestOutput], None] | None = None
+    # called, on a resumed stream, with the chat chunk the resumed tokens' text makes
+    # (never sent): how such a layer rebuilds what its client has had (`resume.py`)
+    replayed: Callable[[dict], None] | None = None
+    request_id: str | None = None  # the id an API layered on another gives its request
 
 
 def kv_transfer_of(body, secret: bytes | None) -> KVTransferParams | None:

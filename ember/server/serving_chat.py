@@ -10,6 +10,7 @@ tool calls parsed out of the answer in the model's format (auto), a JSON array o
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 
 from ember.outputs import CompletionOutput
@@ -36,9 +37,12 @@ from ember.server.serving import (
 class _ChoiceText:
     """Turns one sequence's text, piece by piece, into reasoning, content and tool calls."""
 
-    def __init__(self, plan: ToolPlan, parser: OutputParser | None) -> None:
+    def __init__(self, plan: ToolPlan, parser: OutputParser | None, ids: random.Random) -> None:
         self.plan = plan
         self.parser = parser  # none / auto: the served model's reasoning and tool parsers
+        self.ids = ids  # the choice's tool-call ids are drawn from it
+        if parser is not None and parser.tools is not None:
+            parser.tools.call_ids = ids
         self.required_text = ""
         self.num_calls = 0
 
@@ -48,14 +52,14 @@ class _ChoiceText:
         if mode == "named":
             out = ParsedText()
             if self.num_calls == 0:
-                out.calls.append(ToolCallDelta(0, new_call_id(), self.plan.function))
+                out.calls.append(ToolCallDelta(0, new_call_id(self.ids), self.plan.function))
             if text:
                 out.calls.append(ToolCallDelta(0, arguments=text))
         elif mode == "required":
             self.required_text += text
             calls = parse_required_calls(self.required_text) if finished else []
             out = ParsedText(
-                calls=[ToolCallDelta(i, new_call_id(), *c) for i, c in enumerate(calls)]
+                calls=[ToolCallDelta(i, new_call_id(self.ids), *c) for i, c in enumerate(calls)]
             )
         elif self.parser is not None:
             out = self.parser.feed(text)
@@ -90,11 +94,13 @@ class ChatServing(ServingBase):
             raise APIError.bad_request(exc) from None
         # the rendered template holds the model's special tokens already
         prompt = await self.check_prompt(text, params, "messages", add_special_tokens=False)
-        texts = self._choice_texts(request, plan, text, params.n)
+        # a moved stream goes on under its id; an API layered on this one may name it
+        request_id = ctx.resume.id if ctx.resume else ctx.request_id or new_id("chatcmpl")
+        texts = self._choice_texts(request, plan, text, params.n, request_id)
         if texts[0].parser is not None and self.parsers.keep_special_tokens:
             params.skip_special_tokens = False  # the parsers' markers are special tokens
-        request_id = new_id("chatcmpl")
-        (stream,) = self.start({request_id: prompt}, params, ctx, plan.grammar)
+        engine_id = request_id if ctx.resume is None else new_id("chatcmpl")  # each its own
+        (stream,) = self.start({engine_id: prompt}, params, ctx, plan.grammar)
         if request.stream:
             running = (
                 RunningUsage(len(prompt.prompt_token_ids)) if request.continuous_usage else None
@@ -115,18 +121,23 @@ class ChatServing(ServingBase):
             response["kv_transfer_params"] = kv
         return response
 
-    def _choice_texts(self, request, plan: ToolPlan, prompt: str, n: int) -> list[_ChoiceText]:
+    def _choice_texts(
+        self, request, plan: ToolPlan, prompt: str, n: int, request_id: str
+    ) -> list[_ChoiceText]:
         """One per choice, with an `OutputParser` where the served model's parsers read
         the text: tool calls with tool_choice auto, reasoning unless a grammar holds the
-        output (a forced tool choice, response_format)."""
+        output (a forced tool choice, response_format). Tool-call ids are drawn from the
+        request's id and the choice's index (a moved stream's come out the same)."""
         tools = request.tools if plan.mode == "auto" else None
         reasoning = plan.grammar is None and self.parsers.reasoning is not None
         parses = plan.mode in ("auto", "none") and bool(tools or reasoning)
         return [
             _ChoiceText(
-                plan, self.parsers.output_parser(prompt, tools, reasoning) if parses else None
+                plan,
+                self.parsers.output_parser(prompt, tools, reasoning) if parses else None,
+                random.Random(f"{request_id}/{index}"),
             )
-            for _ in range(n)
+            for index in range(n)
         ]
 
     def _choice(self, seq: CompletionOutput, text: _ChoiceText, logprobs: int | None) -> dict:
@@ -166,20 +177,19 @@ class ChatServing(ServingBase):
         under its first worker's id, without a role chunk."""
         resume = ctx.resume
         created = now() if resume is None else resume.created
-        request_id = request_id if resume is None else resume.id
         n, num_top = params.n, params.logprobs or 0
         trail = TokenTrail(ctx.trail and n == 1, 0 if resume is None else len(resume.token_ids))
         replaying = resume is not None and bool(resume.token_ids)
         ended: set[int] = set()
 
-        def chunk(index, delta, finish=None, logprobs=None, kv=None, token_ids=()):
+        def chunk(index, delta, finish=None, logprobs=None, kv=None, token_ids=(), more=0):
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = self.chunk("chat.completion.chunk", request_id, created, [choice])
             if running is not None:
                 body["usage"] = running.block()
             if kv is not None:
                 body["kv_transfer_params"] = kv
-            return trail.mark(sse(body), token_ids)
+            return trail.mark(sse(body), token_ids, more)
 
         for i in range(n if resume is None else 0):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -192,7 +202,10 @@ class ChatServing(ServingBase):
                     replaying = False
                     for seq in final.outputs:
                         text = texts[seq.index]
-                        text.feed(seq.delta_text, False)
+                        delta = _delta(text.feed(seq.delta_text, False))
+                        if ctx.replayed is not None and delta:  # an API layered on this one
+                            choice = {"index": seq.index, "delta": delta, "finish_reason": None}
+                            ctx.replayed({"id": request_id, "choices": [choice]})
                         if seq.finished:  # they had ended it: only the finish chunk is due
                             ended.add(seq.index)
                             yield chunk(seq.index, {}, text.finish_reason(seq.finish_reason))
@@ -201,17 +214,12 @@ class ChatServing(ServingBase):
                     if seq.index in ended or not (seq.delta_text or seq.finished):
                         continue
                     text = texts[seq.index]
-                    parsed = text.feed(seq.delta_text, seq.finished)
-                    delta: dict = {}
-                    if parsed.reasoning:
-                        delta["reasoning_content"] = parsed.reasoning
-                    if parsed.content:
-                        delta["content"] = parsed.content
-                    if parsed.calls:
-                        delta["tool_calls"] = [c.to_openai() for c in parsed.calls]
+                    delta = _delta(text.feed(seq.delta_text, seq.finished))
                     logprobs = self._logprobs(seq.delta_logprobs, num_top)
-                    if delta or logprobs:
-                        yield chunk(seq.index, delta, logprobs=logprobs, token_ids=seq.token_ids)
+                    if delta or logprobs:  # with the finish_reason after it: one unit
+                        more = int(seq.finished)
+                        yield chunk(seq.index, delta, logprobs=logprobs, token_ids=seq.token_ids,
+                                    more=more)  # fmt: skip
                     if seq.finished:
                         ended.add(seq.index)
                         reason = text.finish_reason(seq.finish_reason)
@@ -224,3 +232,15 @@ class ChatServing(ServingBase):
         if request.include_usage and final is not None:
             yield sse(self.chunk("chat.completion.chunk", request_id, created, [], usage([final])))
         yield SSE_DONE
+
+
+def _delta(parsed) -> dict:
+    """A stream chunk's delta for a piece of parsed output."""
+    delta: dict = {}
+    if parsed.reasoning:
+        delta["reasoning_content"] = parsed.reasoning
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.calls:
+        delta["tool_calls"] = [c.to_openai() for c in parsed.calls]
+    return delta

@@ -20,6 +20,10 @@ Usage as Anthropic counts it: `input_tokens` are the prompt tokens not read from
 prefix cache, `cache_read_input_tokens` those that were (the two add up to the prompt),
 `cache_creation_input_tokens` is 0 (ember caches every prefix at no extra cost). The
 engine outputs behind a streamed chat answer are read through `RequestContext.observe`.
+
+A stream a router moved here (`resume.py`) opens with no `message_start` (the client has
+it): the writer takes in the resumed text first (`RequestContext.replayed`), so its
+blocks go on with the index and type the client has seen.
 """
 
 from __future__ import annotations
@@ -35,8 +39,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from ember.outputs import RequestOutput
-from ember.server.errors import ERROR_CODE_HEADER, APIError, anthropic_error_body, describe
+from ember.server.errors import (
+    ENGINE_STOPPED,
+    ERROR_CODE_HEADER,
+    APIError,
+    anthropic_error_body,
+    describe,
+)
 from ember.server.protocol_messages import MessagesRequest
+from ember.server.resume import STOPPED_MARK, TrailCarry
 from ember.server.serving import RequestContext
 from ember.server.serving_chat import ChatServing
 
@@ -96,13 +107,15 @@ class MessagesServing:
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
         engine = _EngineView()
+        writer = _EventWriter(self.chat.model_name, engine, resumed=ctx.resume is not None)
+        ctx = dataclasses.replace(ctx, observe=engine, replayed=writer.write)  # events dropped
         try:
-            answer = await self.chat.create(chat_request, dataclasses.replace(ctx, observe=engine))
+            answer = await self.chat.create(chat_request, ctx)
         except APIError as exc:
             raise _renamed(exc) from None
         if isinstance(answer, dict):
             return message_of(answer)
-        return _events(answer, _EventWriter(self.chat.model_name, engine))
+        return _events(answer, writer)
 
 
 class _EngineView:
@@ -159,12 +172,14 @@ def message_of(completion: dict) -> dict:
 
 
 async def _events(chunks: AsyncIterator[bytes], writer: _EventWriter) -> AsyncIterator[bytes]:
-    """Anthropic's events for a stream of chat chunks (SSE frames)."""
+    """Anthropic's events for a stream of chat chunks (SSE frames), each chat frame's
+    token trail (a router's) on the first event written for it or after it."""
+    trail = TrailCarry()
     async for frame in chunks:
-        chunk = _decode(frame)
+        chunk = _decode(trail.take(frame))
         if chunk is None:
             continue
-        for event in writer.write(chunk):
+        for event in trail.put(writer.write(chunk)):
             yield event
         if writer.done:
             return
@@ -173,10 +188,10 @@ async def _events(chunks: AsyncIterator[bytes], writer: _EventWriter) -> AsyncIt
 class _EventWriter:
     """Turns the chat chunks of one streamed answer into Anthropic's events."""
 
-    def __init__(self, model: str, engine: _EngineView) -> None:
+    def __init__(self, model: str, engine: _EngineView, resumed: bool = False) -> None:
         self.model = model
         self.engine = engine
-        self.started = False  # message_start sent
+        self.started = resumed  # message_start sent (by another worker, on a moved stream)
         self.index = -1  # of the open block, or of the last one
         self.open: str | None = None  # the open block's type
         self.done = False
@@ -187,7 +202,8 @@ class _EventWriter:
             error = chunk["error"]
             kind = _STREAM_ERRORS.get(error.get("type"), "api_error")
             body = {"type": "error", "error": {"type": kind, "message": error.get("message")}}
-            return [_frame("error", body)]
+            mark = STOPPED_MARK if error.get("code") == ENGINE_STOPPED else b""
+            return [mark + _frame("error", body)]
         if not chunk["choices"]:  # a usage chunk
             return []
         choice = chunk["choices"][0]

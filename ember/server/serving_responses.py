@@ -8,6 +8,9 @@ input items. `ChatServing` runs it; its answer becomes the response's output ite
 response's usage (`input_tokens_details.cached_tokens` from ember's prefix cache). A
 streamed answer is read chunk by chunk and re-told as the Responses API's semantic
 events (`response.created` ... `response.completed`, each with its `sequence_number`).
+Output item ids are the response's id and the item's place, and tool-call ids are drawn
+from the response's id, so a stream a router moved to another worker (`resume.py`) goes
+on naming what its client has seen, numbering events on from the last one it had.
 
 The store keeps, per stored response, only what that turn added (its input messages and
 its output) and the id of the turn before, so a conversation of N turns costs N turns of
@@ -17,6 +20,7 @@ characters. A conversation whose earlier turn is gone can no longer be continued
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections import OrderedDict
@@ -25,10 +29,11 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from ember.server.errors import APIError, describe
+from ember.server.errors import ENGINE_STOPPED, APIError, describe
 from ember.server.limits import DEFAULT_STORE_CHARS
 from ember.server.protocol import ChatCompletionRequest
 from ember.server.protocol_responses import ResponsesRequest, chat_messages
+from ember.server.resume import STOPPED_MARK, TrailCarry
 from ember.server.serving import RequestContext, now
 from ember.server.serving_chat import ChatServing
 
@@ -89,14 +94,21 @@ class ResponsesServing:
     ) -> dict | AsyncIterator[bytes]:
         model_name = self.chat.model_name
         turn = _Pending(request, response_id, self._history(request), model_name)
+        events = _EventWriter(turn)
+        if ctx.resume is not None:  # a stream moved here: it goes on where the client is
+            turn.created_at = ctx.resume.created
+            events.sequence = ctx.resume.events
+        # the chat request goes under the response's id: its tool-call ids are drawn from
+        # it, so a moved stream's come out the same
+        ctx = dataclasses.replace(ctx, request_id=response_id, replayed=events.replay)
         result = await self.chat.create(turn.chat_request(), ctx)
         if isinstance(result, dict):
             choice = result["choices"][0]
-            items = _output_items(choice["message"], choice["finish_reason"])
+            items = _output_items(choice["message"], choice["finish_reason"], response_id)
             response = turn.response(items, choice["finish_reason"], _usage(result["usage"]))
             self._keep(turn, response, choice["message"])
             return response
-        return self._stream(turn, result)
+        return self._stream(turn, events, result)
 
     def _history(self, request: ResponsesRequest) -> list[dict]:
         try:
@@ -118,23 +130,35 @@ class ResponsesServing:
             previous = turn.request.previous_response_id
             self.store.put(response, previous, [*turn.new_messages, output])
 
-    async def _stream(self, turn: _Pending, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        events = _EventWriter(turn)
-        yield events.emit("response.created", response=turn.response([], None, None))
-        yield events.emit("response.in_progress", response=turn.response([], None, None))
+    async def _stream(
+        self, turn: _Pending, events: _EventWriter, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """The events; each chat frame's token trail (a router's) on the first event
+        written for it or after it. A moved stream goes on from the event its client has
+        had last (its first two too, if it had not had them)."""
+        trail = TrailCarry()
+        if events.sequence == 0:
+            yield events.emit("response.created", response=turn.response([], None, None))
+        if events.sequence == 1:
+            yield events.emit("response.in_progress", response=turn.response([], None, None))
         async for raw in chunks:
-            for chunk in _chunks_of(raw):
+            for chunk in _chunks_of(trail.take(raw)):
                 if "error" in chunk:
-                    yield events.emit("response.failed", response=events.failed(chunk["error"]))
+                    failed = events.emit("response.failed", response=events.failed(chunk["error"]))
+                    stopped = chunk["error"].get("code") == ENGINE_STOPPED
+                    yield (STOPPED_MARK if stopped else b"") + failed
                     return
-                for frame in events.feed(chunk):
+                frames = events.feed(chunk)
+                if events.finish_reason is not None:  # the last text, with the last events
+                    trail.hold_rest()
+                for frame in trail.put(frames):
                     yield frame
-        for frame in events.close():
-            yield frame
+        frames = events.close()
         response = events.final()
         self._keep(turn, response, events.message())
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        yield events.emit(kind, response=response)
+        for frame in trail.put([*frames, events.emit(kind, response=response)], last=True):
+            yield frame
 
 
 class _Pending:
@@ -205,6 +229,12 @@ class _EventWriter:
         self.finish_reason: str | None = None
         self.usage: dict | None = None
 
+    def replay(self, chunk: dict) -> None:
+        """Takes in a moved stream's resumed text (the client has had its events)."""
+        sequence = self.sequence
+        self.feed(chunk)
+        self.sequence = sequence
+
     def emit(self, kind: str, **fields) -> bytes:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
@@ -231,7 +261,7 @@ class _EventWriter:
         if self.text_item is not None and self.text_item["type"] != kind:
             frames += self._close_text()
         if self.text_item is None:
-            self.text_item = _TEXT_ITEMS[kind]()
+            self.text_item = _TEXT_ITEMS[kind](_item_id(kind, self.turn.id, len(self.output)))
             frames.append(self._added(self.text_item))
             if kind == "message":
                 part = {"type": "output_text", "text": "", "annotations": []}
@@ -248,7 +278,8 @@ class _EventWriter:
         item = self.calls.get(call["index"])
         function = call.get("function") or {}
         if item is None:
-            item = {"type": "function_call", "id": _item_id("fc"), "call_id": call.get("id"),
+            item_id = _item_id("function_call", self.turn.id, len(self.output))
+            item = {"type": "function_call", "id": item_id, "call_id": call.get("id"),
                     "name": function.get("name"), "arguments": "", "status": "in_progress"}  # fmt: skip
             self.calls[call["index"]] = item
             frames.append(self._added(item))
@@ -326,11 +357,12 @@ class _EventWriter:
 
 _REASONING_DELTA = "response.reasoning_text.delta"
 _TEXT_ITEMS = {
-    "message": lambda: {"type": "message", "id": _item_id("msg"), "status": "in_progress",
-                        "role": "assistant", "content": []},
-    "reasoning": lambda: {"type": "reasoning", "id": _item_id("rs"), "status": "in_progress",
-                          "summary": [], "content": []},
+    "message": lambda item_id: {"type": "message", "id": item_id, "status": "in_progress",
+                                "role": "assistant", "content": []},
+    "reasoning": lambda item_id: {"type": "reasoning", "id": item_id, "status": "in_progress",
+                                  "summary": [], "content": []},
 }  # fmt: skip
+_ITEM_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
 
 
 def _chunks_of(raw: bytes) -> list[dict]:
@@ -342,20 +374,21 @@ def _chunks_of(raw: bytes) -> list[dict]:
     return out
 
 
-def _output_items(message: dict, finish_reason: str | None) -> list[dict]:
+def _output_items(message: dict, finish_reason: str | None, response_id: str) -> list[dict]:
     status = "incomplete" if finish_reason == "length" else "completed"
     items = []
     if message.get("reasoning_content"):
         content = [{"type": "reasoning_text", "text": message["reasoning_content"]}]
-        items.append({"type": "reasoning", "id": _item_id("rs"), "status": status,
-                      "summary": [], "content": content})  # fmt: skip
+        items.append({"type": "reasoning", "id": _item_id("reasoning", response_id, len(items)),
+                      "status": status, "summary": [], "content": content})  # fmt: skip
     if message.get("content"):
         part = {"type": "output_text", "text": message["content"], "annotations": [],
                 "logprobs": []}  # fmt: skip
-        items.append({"type": "message", "id": _item_id("msg"), "status": status,
-                      "role": "assistant", "content": [part]})  # fmt: skip
+        items.append({"type": "message", "id": _item_id("message", response_id, len(items)),
+                      "status": status, "role": "assistant", "content": [part]})  # fmt: skip
     for call in message.get("tool_calls") or []:
-        items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
+        item_id = _item_id("function_call", response_id, len(items))
+        items.append({"type": "function_call", "id": item_id, "call_id": call["id"],
                       "name": call["function"]["name"],
                       "arguments": call["function"]["arguments"], "status": status})  # fmt: skip
     return items
@@ -372,12 +405,14 @@ def _usage(chat_usage: dict) -> dict:
     }
 
 
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+def _item_id(kind: str, response_id: str, index: int) -> str:
+    """The id of the response's output item at `index` (the same on any worker, so a
+    moved stream goes on naming the items its client has seen)."""
+    return f"{_ITEM_PREFIXES[kind]}_{response_id.removeprefix('resp_')}_{index}"
 
 
 def new_response_id() -> str:
-    return _item_id("resp")
+    return f"resp_{uuid.uuid4().hex}"
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:

@@ -11,7 +11,7 @@ parsing the whole text at once gives.
 
 from __future__ import annotations
 
-import uuid
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -86,8 +86,13 @@ def merge_calls(deltas: list[ToolCallDelta]) -> list[dict]:
     return [calls[i] for i in sorted(calls)]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+_RANDOM = random.SystemRandom()
+
+
+def new_call_id(ids: random.Random | None = None) -> str:
+    """A tool call's id: random, or the next of `ids` (a request's own draws, seeded by
+    its id: a stream moved to another worker draws the same ids again)."""
+    return f"call_{(ids or _RANDOM).getrandbits(96):024x}"
 
 
 class ToolParser(ABC):
@@ -106,6 +111,8 @@ class ToolParser(ABC):
     `markers` lists the strings the parser looks for; those that are special tokens of
     the served tokenizer must be kept in the text (skip_special_tokens off).
     """
+
+    call_ids: random.Random | None = None  # where new call ids are drawn (see new_call_id)
 
     markers: ClassVar[tuple[str, ...]] = ()
 

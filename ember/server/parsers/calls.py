@@ -67,7 +67,7 @@ class StreamingToolParser(ToolParser):
         return text, marker
 
     def new_call_id(self) -> str:
-        return new_call_id()
+        return new_call_id(self.call_ids)
 
     def start_call(self, name: str, call_id: str | None = None) -> None:
         self.out.calls.append(ToolCallDelta(self.num_calls, call_id or self.new_call_id(), name))

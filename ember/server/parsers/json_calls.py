@@ -241,7 +241,7 @@ class MistralToolParser(JsonCallsParser):
     closer = "]"
 
     def new_call_id(self) -> str:
-        return "".join(random.choices(_ALPHANUMERIC, k=9))
+        return "".join((self.call_ids or random).choices(_ALPHANUMERIC, k=9))
 
     def in_content(self, final: bool) -> bool:
         if self.content_until((TOOL_CALLS,), final) is None:
