@@ -1,5 +1,5 @@
 """A full disk under the disk tier: a worker whose --kv-disk-dir is a 1 MiB tmpfs (room for
-~128 of the tiny model's blocks, though --kv-disk-size says 1G) and whose pool holds two
+~128 of the tiny model's block files, though --kv-disk-size says 1G) and whose pool holds two
 prompts, under six clients cycling through twelve prompts (240 blocks): the tier fills the
 disk itself. A third of the way in, another file takes every byte still free on that disk
 and is deleted a third later. Every answer must be the one a worker without tiers gives;

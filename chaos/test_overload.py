@@ -124,6 +124,9 @@ async def _closed_loop(url: str, clients: int, seconds: float, huge_share: float
                 seen[str(code)] += 1
             else:
                 seen["other"] += 1
+                kinds[f"HTTP {code}: {reply.text[:100]}"] = (
+                    kinds.get(f"HTTP {code}: {reply.text[:100]}", 0) + 1
+                )
 
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         await asyncio.gather(*(client(i, http) for i in range(clients)))

@@ -193,3 +193,14 @@ def test_a_client_that_leaves_while_sending_its_body_reaches_no_handler():
     scope = {"type": "http", "path": "/v1/completions", "headers": [(b"content-length", b"99")]}
     asyncio.run(Guard(app, Access())(scope, receive, send))
     assert called == [] and sent == []
+
+
+def test_an_idle_connection_outlives_the_clients_own_expiry():
+    """The server keeps an idle kept-alive connection longer than httpx (the OpenAI and
+    Anthropic SDKs, ember's router) keeps it: the client lets it go first, and never sends
+    a request on a connection the server is closing (a reset, seen under overload as
+    httpx.ReadError before this was so)."""
+    from ember.server.http_protocol import uvicorn_options
+
+    options = uvicorn_options(read_timeout=30, max_connections=10)
+    assert options["timeout_keep_alive"] > 2 * httpx.Limits().keepalive_expiry

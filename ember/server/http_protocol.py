@@ -1,7 +1,7 @@
 """uvicorn's HTTP/1.1 protocol with a deadline on each request's head, for every ember
 HTTP service (`ember serve`, `ember router`).
 
-uvicorn closes a kept-alive connection that stays idle (`timeout_keep_alive`), but waits
+uvicorn closes a kept-alive connection that stays idle (`KEEP_ALIVE_S`), but waits
 forever for a request line and headers that come a byte at a time: a few slow clients
 could hold every connection a worker has. Here a connection that has not sent a whole
 request head within `read_timeout` seconds of connecting, or of the first byte after its
@@ -47,7 +47,11 @@ _TOO_MANY = _response(
     "service_unavailable",
     "too_many_connections",
 )
-KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this long (uvicorn's)
+# an idle kept-alive connection is closed after this long: longer than clients keep an
+# idle connection themselves (httpx, and so the OpenAI and Anthropic SDKs and ember's
+# router, 5 s), so that the client always lets it go first. A server that closes first
+# races a request the client sends on it at that moment, which fails with a reset.
+KEEP_ALIVE_S = 75
 LINGER_S = 2.0  # how long a refused connection waits for its client to close
 
 
