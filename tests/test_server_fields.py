@@ -4,6 +4,7 @@ min_tokens, stop, seeds with n > 1, parallel_tool_calls and continuous usage sta
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import pytest
@@ -152,17 +153,19 @@ def test_auto_tool_choice_without_parallel_calls_returns_the_first_call():
 
         def choice_text(request=request):
             parser = ChatParsers("hermes").output_parser("", request.tools, reasoning=False)
-            return _ChoiceText(tool_plan(request), parser)
+            return _ChoiceText(tool_plan(request), parser, random.Random("chatcmpl-1/0"))
 
         whole = choice_text()
         calls = merge_calls(whole.feed(text, finished=True).calls)
         assert [c["function"]["arguments"] for c in calls] == expected
+        ids = [c["id"] for c in calls]  # drawn from the request's id: alike on any worker
         streamed = choice_text()
         pieces = [
             streamed.feed(text[i : i + 7], i + 7 >= len(text)) for i in range(0, len(text), 7)
         ]
         calls = merge_calls([c for piece in pieces for c in piece.calls])
         assert [c["function"]["arguments"] for c in calls] == expected
+        assert [c["id"] for c in calls] == ids and len(set(ids)) == len(ids)
         assert whole.finish_reason("stop") == streamed.finish_reason("stop") == "tool_calls"
 
 

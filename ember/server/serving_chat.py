@@ -37,7 +37,9 @@ from ember.server.serving import (
 class _ChoiceText:
     """Turns one sequence's text, piece by piece, into reasoning, content and tool calls."""
 
-    def __init__(self, plan: ToolPlan, parser: OutputParser | None, ids: random.Random) -> None:
+    def __init__(
+        self, plan: ToolPlan, parser: OutputParser | None, ids: random.Random | None = None
+    ) -> None:
         self.plan = plan
         self.parser = parser  # none / auto: the served model's reasoning and tool parsers
         self.ids = ids  # the choice's tool-call ids are drawn from it
