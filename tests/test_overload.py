@@ -88,6 +88,14 @@ def test_connections_over_the_limit_get_a_503_at_once(server):
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda _: raw(server.url, request, resets=False), range(40)))
         assert {status_and_error(a)[0] for a in answers} == {503}
+        # a client slow to send its request (a busy event loop) is answered once it has
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            time.sleep(2.5)
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):  # a reset here fails the test
+                answer += chunk
+        assert status_and_error(answer)[0] == 503
     finally:
         for sock in held:
             sock.close()

@@ -70,6 +70,52 @@ def test_least_load_counts_tokens_not_requests_and_skips_the_unhealthy():
     assert router.choose("x", 16) is None
 
 
+def test_a_busy_worker_is_not_taken_for_dead():
+    """Health checks: a worker that cannot be reached, or says its engine is gone, is down
+    at once; one too busy to answer the check in time, or refusing it at its connection
+    limit, is down only after HEALTH_MISSES such checks in a row (overload must not empty
+    the pools), and up again with its next answer."""
+    import asyncio
+    import json
+
+    from ember.router.policy import Pools
+    from ember.router.state import HEALTH_MISSES, RouterState
+
+    names = ["fine", "slow", "busy", "gone", "restarting"]
+    state = RouterState(Pools(Router([f"http://{n}" for n in names])), health_interval=1.0)
+    busy_body = json.dumps({"error": {"message": "too many connections", "type": "x",
+                                      "param": None, "code": "too_many_connections"}})  # fmt: skip
+    answers = {"slow": True, "busy": True}  # while True they answer late, or refuse
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        name = request.url.host
+        if name == "slow" and answers["slow"]:
+            raise httpx.ReadTimeout("too late", request=request)
+        if name == "busy" and answers["busy"]:
+            return httpx.Response(503, content=busy_body)
+        if name == "gone":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"healthy": name != "restarting"})
+
+    async def checks() -> list[dict[str, bool]]:
+        state.health_client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        seen = []
+        for i in range(HEALTH_MISSES + 1):
+            if i == HEALTH_MISSES:
+                answers.update(slow=False, busy=False)
+            await state.check_health()
+            seen.append({w.url.removeprefix("http://"): w.healthy for w in state.pools.workers})
+        await state.health_client.aclose()
+        await state.client.aclose()
+        return seen
+
+    seen = asyncio.run(checks())
+    up = {"fine": True, "slow": True, "busy": True, "gone": False, "restarting": False}
+    assert seen[: HEALTH_MISSES - 1] == [up] * (HEALTH_MISSES - 1)
+    assert seen[HEALTH_MISSES - 1] == dict(up, slow=False, busy=False)  # missed too many
+    assert seen[HEALTH_MISSES] == up  # and back with their next answer
+
+
 def test_comparison_policies_ignore_sessions_and_prefixes():
     rr = Router(["http://a", "http://b"], policy="round-robin")
     urls = [served(rr, SYSTEM, "same-session").worker.url for _ in range(4)]

@@ -42,6 +42,7 @@ def build_router_app(
         yield
         task.cancel()
         await state.client.aclose()
+        await state.health_client.aclose()
 
     app = FastAPI(title="ember router", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = state

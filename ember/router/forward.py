@@ -68,10 +68,10 @@ from ember.router.state import RouterState
 from ember.server.errors import (
     ENGINE_NOT_RUNNING,
     ENGINE_STOPPED,
-    ERROR_CODE_HEADER,
     MESSAGES_PATH,
     RESPONSES_PATH,
     error_body_for,
+    error_code_of,
 )
 
 logger = logging.getLogger("ember.router")
@@ -251,7 +251,7 @@ class _Call:
             if upstream.status_code == 503:
                 content = await upstream.aread()
                 await upstream.aclose()
-                if self._engine_gone(_error_code(upstream, content)):
+                if self._engine_gone(error_code_of(content, upstream.headers)):
                     self._worker_down(router, decision, "its engine is down (503)", tried)
                     continue
                 router.finish(decision)
@@ -378,26 +378,16 @@ def _failed_on(worker: Worker, exc: Exception, path: str) -> JSONResponse:
     return JSONResponse(body, status_code=502, headers={WORKER_HEADER: worker.url})
 
 
-def _error_code(response: httpx.Response, content: bytes) -> str | None:
-    """The ember code of an error answer: the `error.code` of an OpenAI error body, or
-    the header an Anthropic-shaped one carries it in."""
-    if (code := response.headers.get(ERROR_CODE_HEADER)) is not None:
-        return code
-    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-        return json.loads(content)["error"]["code"]
-    return None
-
-
 def _failure_code(response: httpx.Response) -> str | None:
     """The ember code of a whole answer's error: its error body's, or (an SSE stream) its
     error event's."""
     if response.status_code != 200:
-        return _error_code(response, response.content)
+        return error_code_of(response.content, response.headers)
     if "event-stream" not in response.headers.get("content-type", ""):
         return None
     for line in response.text.splitlines():
         if line.startswith('data: {"error"'):
-            return _error_code(response, line[6:].encode())
+            return error_code_of(line[6:].encode(), response.headers)
     return None
 
 

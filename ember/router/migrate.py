@@ -41,7 +41,13 @@ from dataclasses import dataclass
 import httpx
 
 from ember.router.run import DEFAULT_MAX_MIGRATIONS, DEFAULT_STALL_TIMEOUT_S
-from ember.server.errors import ENGINE_STOPPED, MESSAGES_PATH, RESPONSES_PATH, error_body_for
+from ember.server.errors import (
+    ENGINE_STOPPED,
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    error_body_for,
+    error_code_of,
+)
 from ember.server.resume import STOPPED_MARK, split_trail
 
 logger = logging.getLogger("ember.router")
@@ -159,7 +165,7 @@ class Splice:
         if data == b"[DONE]" or name in _LAST:
             self.done = True
         if data.startswith(b'{"error"'):
-            if _error_code(data) == ENGINE_STOPPED:  # not the client's: the stream moves
+            if error_code_of(data) == ENGINE_STOPPED:  # not the client's: the stream moves
                 self.engine_stopped = True
                 return None
         elif data.startswith(b"{"):
@@ -182,12 +188,6 @@ class Splice:
                 self.response_id, self.created = head["id"], head["created_at"]
             else:
                 self.response_id, self.created = head["id"], head["created"]
-
-
-def _error_code(data: bytes) -> str | None:
-    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-        return json.loads(data)["error"]["code"]
-    return None
 
 
 class _Stalled(Exception):

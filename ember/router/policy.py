@@ -55,6 +55,7 @@ class Worker:
     tokens_in_flight: int = 0
     requests_in_flight: int = 0
     reported: dict = field(default_factory=dict)  # its last /load report
+    missed_checks: int = 0  # health checks in a row it was too busy to answer in time
     chunks: OrderedDict = field(default_factory=OrderedDict)  # prefix hashes, LRU
 
     @property

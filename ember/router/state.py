@@ -17,10 +17,13 @@ from ember import cluster
 from ember.headers import ROUTER_TOKEN_HEADER
 from ember.router.migrate import Migration
 from ember.router.policy import Decision, Pools
+from ember.server.errors import TOO_MANY_CONNECTIONS, error_code_of
 
 logger = logging.getLogger("ember.router")
 
 MAX_RESPONSE_HOMES = 100_000
+HEALTH_TIMEOUT_S = 2.0  # a health check answered later than this is a miss
+HEALTH_MISSES = 3  # misses in a row (too busy to answer) that take a worker out
 
 
 class RouterState:
@@ -43,7 +46,12 @@ class RouterState:
         self.decisions: Counter = Counter()
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        # to the workers: as many connections as requests in flight (the router's own
+        # --max-connections bounds those), none waiting for another's; health checks on a
+        # client of their own, so that they never queue behind the traffic
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
+        self.health_client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
         self.registry = CollectorRegistry()
         self.decision_counter = PromCounter(
             "ember_router_decisions", "Routing decisions by pool and reason.",
@@ -84,15 +92,32 @@ class RouterState:
         self.decision_counter.labels(pool, decision.reason).inc()
 
     async def check_health(self) -> None:
+        """Each worker's /load. A worker is down when it cannot be reached, or says it is
+        (its engine is gone or restarting); one that answers too late, or refuses the
+        check at its connection limit, is busy, and down only after HEALTH_MISSES such
+        checks in a row (overload must not empty the pools)."""
         for worker in self.pools.workers:
+            report, busy = {}, False
             try:
-                response = await self.client.get(
-                    f"{worker.url}/load", headers=self.worker_headers, timeout=2.0
+                response = await self.health_client.get(
+                    f"{worker.url}/load", headers=self.worker_headers
                 )
-                ok = response.status_code == 200 and response.json().get("healthy", True)
-                worker.reported = response.json() if ok else {}
+                if response.status_code == 200:
+                    report = response.json()
+                else:
+                    code = error_code_of(response.content, response.headers)
+                    busy = code == TOO_MANY_CONNECTIONS
+            except httpx.TimeoutException:
+                busy = True
             except (httpx.HTTPError, ValueError):
-                ok = False
+                pass
+            if busy:
+                worker.missed_checks += 1
+                ok = worker.healthy and worker.missed_checks < HEALTH_MISSES
+            else:
+                worker.missed_checks = 0
+                ok = bool(report) and report.get("healthy", True)
+                worker.reported = report if ok else {}
             if ok != worker.healthy:
                 logger.warning("worker %s is %s", worker.url, "back" if ok else "down")
             worker.healthy = ok

@@ -42,6 +42,8 @@ ENGINE_NOT_RUNNING = "engine_not_running"
 # the code of a stream's error event when its engine stopped mid-way (died, or the server
 # is shutting down): a router moves the stream to another worker
 ENGINE_STOPPED = "engine_stopped"
+# a connection over --max-connections (its 503): the process is busy, not down
+TOO_MANY_CONNECTIONS = "too_many_connections"
 
 MESSAGES_PATH = "/v1/messages"  # the Anthropic Messages API: errors in Anthropic's shape
 RESPONSES_PATH = "/v1/responses"
@@ -93,6 +95,18 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def anthropic_error_body(status: int, message: str) -> dict:
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_code_of(content: bytes, headers=None) -> str | None:
+    """The ember code of an error answer: in ERROR_CODE_HEADER (an Anthropic-shaped body
+    has no place for it), else the `error.code` of its OpenAI error body."""
+    if headers is not None and (code := headers.get(ERROR_CODE_HEADER)) is not None:
+        return code
+    try:
+        code = json.loads(content)["error"]["code"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def error_body_for(
