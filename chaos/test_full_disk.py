@@ -1,9 +1,12 @@
-"""A full disk under the disk tier: a worker whose --kv-disk-dir is a 1 MiB tmpfs (room for
-~128 of the tiny model's block files, though --kv-disk-size says 1G) and whose pool holds two
-prompts, under six clients cycling through twelve prompts (240 blocks): the tier fills the
-disk itself. A third of the way in, another file takes every byte still free on that disk
-and is deleted a third later. Every answer must be the one a worker without tiers gives;
-the tier must keep serving hits from what fits all along, and leave no block used."""
+"""A full disk under the disk tier: a worker whose --kv-disk-dir is a 1 MiB tmpfs (room
+for ~128 of the tiny model's block files, though --kv-disk-size says 1G) and whose pool
+holds two prompts, under six clients each asking for one of 4 hot prompts every other
+turn and one of 8 cold ones between (240 blocks in all): the tier fills the disk itself.
+A third of the way in, another file starts taking every page that comes free on that
+disk (the tier shrinks to nothing, its writes fail) and is deleted a third later (the
+tier grows back). Every answer must be the one a worker without tiers gives, no request
+may fail, the tier must serve hits before, and after the filler is gone, and no block
+may stay used."""
 
 from __future__ import annotations
 
@@ -70,7 +73,9 @@ def test_a_full_disk_costs_cache_hits_not_answers(tiny_model, small_disk):
             turn = 0
             with httpx.Client(timeout=60) as client:
                 while not stop.is_set():
-                    which = (index * 2 + turn) % len(PROMPTS)
+                    # every other turn one of 4 hot prompts (80 blocks: they stay on the
+                    # disk), else one of 8 cold ones (160 more: the disk fills up)
+                    which = (index + turn // 2) % 4 if turn % 2 == 0 else 4 + (index + turn) % 8
                     turn += 1
                     try:
                         reply = client.post(f"{worker.url}/v1/completions",
