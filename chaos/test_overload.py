@@ -12,6 +12,7 @@ import asyncio
 import random
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -90,7 +91,7 @@ async def _closed_loop(url: str, clients: int, seconds: float, huge_share: float
             "other": 0, "429 without Retry-After": 0, "errors not OpenAI": 0,
             "connection failed": 0}  # fmt: skip
     deadline = time.monotonic() + seconds
-    kinds = seen["kinds"] = {}
+    kinds = seen["kinds"] = Counter()
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
     async def client(index: int, http: httpx.AsyncClient) -> None:
@@ -105,7 +106,7 @@ async def _closed_loop(url: str, clients: int, seconds: float, huge_share: float
             except httpx.HTTPError as exc:
                 seen["connection failed"] += 1
                 kind = f"{type(exc).__name__}: {exc}"[:120]
-                kinds[kind] = kinds.get(kind, 0) + 1
+                kinds[kind] += 1
                 await asyncio.sleep(0.05)
                 continue
             code = reply.status_code
@@ -124,9 +125,8 @@ async def _closed_loop(url: str, clients: int, seconds: float, huge_share: float
                 seen[str(code)] += 1
             else:
                 seen["other"] += 1
-                kinds[f"HTTP {code}: {reply.text[:100]}"] = (
-                    kinds.get(f"HTTP {code}: {reply.text[:100]}", 0) + 1
-                )
+                kind = f"HTTP {code}: {reply.text[:100]}"
+                kinds[kind] += 1
 
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         await asyncio.gather(*(client(i, http) for i in range(clients)))
@@ -154,7 +154,8 @@ def test_overload_is_refused_not_absorbed(tiny_model):
         report("overload", {
             "served at capacity /s": round(served, 1), "offered /s": round(offered, 1),
             "served under overload /s": round(served_over, 1),
-            "attempts": over["attempts"], "200": over["200"], "429": over["429"], "503 too_many_connections": over["503 too_many_connections"],
+            "attempts": over["attempts"], "200": over["200"], "429": over["429"],
+            "503 too_many_connections": over["503 too_many_connections"],
             "400 (prompt too long)": over["400"], "other": over["other"],
             "peak RSS MiB": {n: round(v / 2**20) for n, v in peak.items()},
             "RSS growth MiB": {n: round(v / 2**20, 1) for n, v in growth.items()}})  # fmt: skip

@@ -13,16 +13,17 @@ a response's `created_at`), whether its finish went out (a `finish_reason`, Anth
 The worker fails when its connection breaks (killed, its host gone), when it ends the
 stream with an `engine_stopped` error event (its engine died, or it is shutting down),
 when the stream ends without its last event (`[DONE]`, `message_stop`, the response's
-`response.completed`, or an error event of the request's own), or when no event comes for `--stall-timeout`
-seconds once this worker has sent a token (the wait for a first token, a prefill that may
-be long, is not timed). The router then closes that stream (a live worker aborts the
-request), takes the worker out of its pool unless it only stalled, and sends the request
-to another worker with `resume_params` (the tokens so far): the new stream's events
-follow the ones already sent, under the same id, with no repeated or missing token, and
-its final usage counts the whole request. A stream is moved at most `--max-migrations`
-times (a request that kills every worker it lands on must not take down the cluster);
-one that cannot be moved (no worker left, the limit reached, its `finish_reason` already
-sent) ends with an error event and `[DONE]`, as before.
+`response.completed`, or an error event of the request's own), or when no event comes
+for `--stall-timeout` seconds once this worker has sent a token (the wait for a first
+token, a prefill that may be long, is not timed). The router then closes that stream (a
+live worker aborts the request), takes the worker out of its pool unless it only stalled,
+and sends the request to another worker with `resume_params` (the tokens so far): the
+new stream's events follow the ones already sent, under the same id, with no repeated
+or missing token, and its final usage counts the whole request. A stream is moved at
+most `--max-migrations` times (a request that kills every worker it lands on must not
+take down the cluster); one that cannot be moved (no worker left, the limit reached, its
+finish already sent) ends with its API's error event (and `[DONE]` on chat and
+completions), as before.
 
 Unseeded sampling moves too: the router gives a movable stream that has no `seed` one of
 its own, so the new worker draws the tokens the first would have drawn (ember's draws

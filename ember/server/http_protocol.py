@@ -11,8 +11,8 @@ request head is in (or after LINGER_S), so that what a flood of clients costs a 
 is bounded. A refused connection is closed the lingering way: the response, then our end
 of the stream, then whatever the client still sends is read and dropped until it closes
 (or LINGER_S): closing a socket with bytes unread, or before the client's request has
-come, resets the connection, and a client can lose the response to the reset. `uvicorn_options` are the settings every
-ember service runs uvicorn with.
+come, resets the connection, and a client can lose the response to the reset.
+`uvicorn_options` are the settings every ember service runs uvicorn with.
 """
 
 from __future__ import annotations

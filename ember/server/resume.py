@@ -100,8 +100,7 @@ class TokenTrail:
             return event
         new = token_ids[self.num_marked :]
         self.num_marked = len(token_ids)
-        bound = b" +%d" % more if more else b""
-        return TRAIL_PREFIX + ",".join(map(str, new)).encode() + bound + b"\n" + event
+        return trail_line(new, more) + event
 
 
 class TrailCarry:
@@ -136,10 +135,16 @@ class TrailCarry:
         frames, self._held = self._held, []
         if not self.token_ids and len(frames) == 1:
             return frames
-        line = TRAIL_PREFIX + ",".join(map(str, self.token_ids)).encode()
-        line += b" +%d\n" % (len(frames) - 1) if len(frames) > 1 else b"\n"
+        line = trail_line(self.token_ids, len(frames) - 1)
         self.token_ids = []
         return [line + frames[0], *frames[1:]]
+
+
+def trail_line(token_ids: list[int], more: int = 0) -> bytes:
+    """The comment line that opens an event with its tokens, and binds the `more` events
+    after it into its unit."""
+    bound = b" +%d" % more if more else b""
+    return TRAIL_PREFIX + ",".join(map(str, token_ids)).encode() + bound + b"\n"
 
 
 def split_trail(event: bytes) -> tuple[list[int], int, bytes]:
