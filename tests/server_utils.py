@@ -143,17 +143,26 @@ class EmberServer:
     """`ember serve MODEL ARGS...` on a free port; `stop()` sends SIGTERM. Without a
     `--kv-cache-memory` in `args`, the pool is TEST_KV_CACHE_MEMORY."""
 
-    def __init__(self, model: str, *args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        *args: str,
+        startup_timeout: float = 180.0,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         if not any(arg.startswith("--kv-cache-memory") for arg in args):
             args = (*args, *TEST_KV_CACHE_MEMORY)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, EMBER_LOG_LEVEL="WARNING")
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        env = dict(os.environ, EMBER_LOG_LEVEL="WARNING", **(env or {}))
         env.pop("EMBER_API_KEY", None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "serve", model, "--port", str(self.port), *args],
+            [sys.executable, "-m", "ember.cli", "serve", model, "--host", host,
+             "--port", str(self.port), *args],
             env=env,
-        )
+        )  # fmt: skip
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -104,7 +104,9 @@ def test_a_busy_worker_is_not_taken_for_dead():
             if i == HEALTH_MISSES:
                 answers.update(slow=False, busy=False)
             await state.check_health()
-            seen.append({w.url.removeprefix("http://"): w.healthy for w in state.pools.workers})
+            seen.append(
+                {w.url.removeprefix("http://"): w.healthy for w in state.fleet.workers.values()}
+            )
         await state.health_client.aclose()
         await state.client.aclose()
         return seen

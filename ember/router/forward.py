@@ -63,7 +63,7 @@ from ember.headers import (
     WORKER_HEADER,
 )
 from ember.router.migrate import Leg, Splice, movable, moving_events, stream_end
-from ember.router.policy import Decision, Router, Worker
+from ember.router.policy import Decision, Pools, Router, Worker
 from ember.router.state import RouterState
 from ember.server.errors import (
     ENGINE_NOT_RUNNING,
@@ -133,8 +133,10 @@ async def forward(state: RouterState, request: Request, path: str):
         message = "kv_transfer_params is set by ember's router, never by a client"
         body = error_body_for(path, 400, message, "kv_transfer_params", "invalid_value")
         return JSONResponse(body, status_code=400)
-    call = _Call(state, request, path, raw, body)
-    pools = state.pools
+    pools = state.fleet.pools_for(body.get("model"))
+    if pools is None:
+        return _no_pool(state, path, body.get("model"))
+    call = _Call(state, pools, request, path, raw, body)
     whole_only = path in (MESSAGES_PATH, RESPONSES_PATH)  # no prefill/decode split there
     if pools.disaggregated and not whole_only and _disaggregable(body):
         response = await call.disaggregated()
@@ -147,7 +149,13 @@ async def to_any_worker(state: RouterState, request: Request, path: str) -> Resp
     """Answers a request that every worker answers the same way, from one of them."""
     raw = await request.body()
     headers = {**client_headers(request), **state.worker_headers}
-    for worker in sorted(state.pools.healthy(), key=lambda w: w.tokens_in_flight):
+    try:
+        model = json.loads(raw).get("model")
+    except (ValueError, RecursionError, AttributeError):
+        model = None  # the worker answers the malformed body
+    pools = state.fleet.pools_for(model)
+    workers = pools.healthy() if pools is not None else state.fleet.healthy()
+    for worker in sorted(workers, key=lambda w: w.tokens_in_flight):
         try:
             response = await state.client.post(f"{worker.url}{path}", content=raw, headers=headers)
         except httpx.TransportError as exc:
@@ -159,11 +167,24 @@ async def to_any_worker(state: RouterState, request: Request, path: str) -> Resp
     return no_workers()
 
 
-class _Call:
-    """One client request on its way through the router."""
+def _no_pool(state: RouterState, path: str, model: object) -> JSONResponse:
+    """No pool for the model a request names: a 404 naming those there are (a 503 when
+    the router has no worker at all)."""
+    names = state.fleet.model_names()
+    if not state.fleet.models:
+        return no_workers(path)
+    message = f"The model `{model}` does not exist; this router serves {', '.join(names)}."
+    body = error_body_for(path, 404, message, "model", "model_not_found")
+    return JSONResponse(body, status_code=404)
 
-    def __init__(self, state: RouterState, request: Request, path: str, raw: bytes, body: dict):
-        self.state, self.path, self.raw, self.body = state, path, raw, body
+
+class _Call:
+    """One client request on its way through the router, to `pools` (its model's)."""
+
+    def __init__(
+        self, state: RouterState, pools: Pools, request: Request, path: str, raw: bytes, body: dict
+    ):
+        self.state, self.pools, self.path, self.raw, self.body = state, pools, path, raw, body
         self.session_id = _session_id(request, path, body)
         self.headers = {**client_headers(request), **state.worker_headers}
         if tenant := getattr(request.state, "tenant", None):  # its key's: salts its cache
@@ -229,7 +250,7 @@ class _Call:
             elif tried or reason:
                 reason = reason or "retry"
                 decision = Decision(decision.worker, reason, decision.cost, decision.hashes)
-            state.decide(decision, router.workers[0].kind)
+            state.decide(decision, decision.worker.kind)
             router.start(decision)
             try:
                 upstream = await self._send(decision, raw, True, self.stream_headers)
@@ -277,7 +298,7 @@ class _Call:
             raw = self.raw
         else:
             raw = json.dumps(dict(self.body, resume_params=splice.resume_params())).encode()
-        pool = self.state.pools.for_whole_requests()
+        pool = self.pools.for_whole_requests()
         opened = await self._open(pool, raw, tried, reason="migrate")
         if isinstance(opened, Response):
             if opened.status_code == 503:
@@ -294,7 +315,7 @@ class _Call:
     async def disaggregated(self):
         """Prefill on one worker, decode on another; None when no prefill worker is up
         (the caller then runs the request whole)."""
-        state, pools = self.state, self.state.pools
+        state, pools = self.state, self.pools
         prefill_raw = json.dumps(dict(self.body, kv_transfer_params={"do_remote_decode": True}))
         tried: set[str] = set()
         while True:

@@ -52,6 +52,9 @@ class Worker:
     url: str
     kind: str = "mixed"  # mixed | prefill | decode
     healthy: bool = True
+    model: str | None = None  # the model it serves, from its /load (None: not known yet)
+    source: str = "static"  # how it joined: static | register | the dns:// it was found by
+    draining: bool = False  # leaving: takes no new request, forgotten once idle
     tokens_in_flight: int = 0
     requests_in_flight: int = 0
     reported: dict = field(default_factory=dict)  # its last /load report
@@ -69,6 +72,11 @@ class Worker:
         else:
             reported = int(report.get("num_queued_prefill_tokens", 0))
         return max(self.tokens_in_flight, reported)
+
+    @property
+    def id(self) -> str:
+        """A short name for it that its URL always gives (`DELETE /workers/{id}`)."""
+        return "w" + hashlib.blake2b(self.url.encode(), digest_size=6).hexdigest()
 
     @property
     def store(self) -> str | None:
@@ -166,24 +174,39 @@ class Router:
     def __init__(
         self, workers: list[str | Worker], load_factor: float = 1.25, policy: str = "full"
     ) -> None:
-        if not workers:
-            raise ValueError("the router needs at least one worker")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.workers = [w if isinstance(w, Worker) else Worker(w.rstrip("/")) for w in workers]
         self.load_factor = load_factor
         self.policy = policy
         self._next = 0
-        self._ring = sorted(
-            (_hash(f"{w.url}#{i}"), w) for w in self.workers for i in range(VIRTUAL_NODES)
-        )  # fmt: skip
-        self._keys = [key for key, _ in self._ring]
+        self._build_ring()
         # per shared store: the prefixes any worker using it computed (a Worker for its
         # bounded chunk set only)
         self.stores: dict[str, Worker] = {}
 
+    def _build_ring(self) -> None:
+        """The consistent-hash ring: a worker that joins or leaves moves only the sessions
+        whose home it becomes or was."""
+        self._ring = sorted(
+            (_hash(f"{w.url}#{i}"), w) for w in self.workers for i in range(VIRTUAL_NODES)
+        )  # fmt: skip
+        self._keys = [key for key, _ in self._ring]
+
+    def add(self, worker: Worker) -> None:
+        if worker not in self.workers:
+            self.workers.append(worker)
+            self._build_ring()
+
+    def remove(self, worker: Worker) -> None:
+        if worker in self.workers:
+            self.workers.remove(worker)
+            self._build_ring()
+
     def healthy(self, exclude: set[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers if w.healthy and w.url not in exclude]
+        """The workers that may take a new request (up, not leaving, not in `exclude`)."""
+        return [w for w in self.workers
+                if w.healthy and not w.draining and w.url not in exclude]  # fmt: skip
 
     def choose(
         self,
@@ -241,43 +264,61 @@ class Router:
 
 
 class Pools:
-    """The router's workers by role. Disaggregated requests need a prefill and a decode
-    pool; whole requests go to the mixed pool, or (none healthy there) to any worker."""
+    """One model's workers by role. Disaggregated requests need a prefill and a decode
+    worker; whole requests go to the mixed pool, or (none healthy there) to any worker.
+    Workers join and leave (`add`, `remove`; `members.Fleet` decides which)."""
 
     def __init__(
         self,
         mixed: Router | None = None,
         prefill: Router | None = None,
         decode: Router | None = None,
+        load_factor: float = 1.25,
+        policy: str = "full",
     ) -> None:
-        if (prefill is None) != (decode is None):
-            raise ValueError("disaggregation needs both --prefill and --decode workers")
-        self.mixed, self.prefill, self.decode = mixed, prefill, decode
-        self.workers = [w for r in (mixed, prefill, decode) if r is not None for w in r.workers]
-        if not self.workers:
-            raise ValueError("the router needs at least one worker")
-        policy = next(r for r in (mixed, prefill, decode) if r is not None)
-        others = [w for r in (decode, prefill) if r is not None for w in r.workers]
-        self._any = Router(others, policy.load_factor, policy.policy) if others else None
+        given = next((r for r in (mixed, prefill, decode) if r is not None), None)
+        if given is not None:
+            load_factor, policy = given.load_factor, given.policy
+        self.load_factor, self.policy = load_factor, policy
+        self.mixed, self.prefill, self.decode = (
+            r if r is not None else Router([], load_factor, policy) for r in (mixed, prefill, decode)
+        )  # fmt: skip
+        # whole requests when no mixed worker is up: the prefill and decode workers
+        others = [*self.decode.workers, *self.prefill.workers]
+        self._any = Router(others, load_factor, policy)
 
     @classmethod
     def from_urls(cls, mixed=(), prefill=(), decode=(), load_factor=1.25, policy="full") -> Pools:
-        def pool(urls, kind):
-            if not urls:
-                return None
-            return Router([Worker(u.rstrip("/"), kind) for u in urls], load_factor, policy)
+        pools = cls(load_factor=load_factor, policy=policy)
+        for kind, urls in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
+            for url in urls:
+                pools.add(Worker(url.rstrip("/"), kind))
+        return pools
 
-        return cls(pool(mixed, "mixed"), pool(prefill, "prefill"), pool(decode, "decode"))
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.mixed.workers, *self.prefill.workers, *self.decode.workers]
+
+    def add(self, worker: Worker) -> None:
+        getattr(self, worker.kind).add(worker)
+        if worker.kind != "mixed":
+            self._any.add(worker)
+
+    def remove(self, worker: Worker) -> None:
+        for router in (self.mixed, self.prefill, self.decode, self._any):
+            router.remove(worker)
 
     @property
     def disaggregated(self) -> bool:
-        return self.prefill is not None
+        """Whether it has workers of both roles (the request may still run whole when none
+        of one role is up)."""
+        return bool(self.prefill.workers and self.decode.workers)
 
     def healthy(self) -> list[Worker]:
-        return [w for w in self.workers if w.healthy]
+        return [w for w in self.workers if w.healthy and not w.draining]
 
     def for_whole_requests(self) -> Router:
-        if self.mixed is not None and (self.mixed.healthy() or self._any is None):
+        if self.mixed.healthy() or not self._any.workers:
             return self.mixed
         return self._any
 

@@ -27,6 +27,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="a prefill worker (with --decode: disaggregation)")  # fmt: skip
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode worker (with --prefill: disaggregation)")  # fmt: skip
+    parser.add_argument("--discover", action="append", default=[], metavar="dns://NAME:PORT",
+                        help="workers at every address NAME resolves to (again every "
+                             "--discover-interval s; a Kubernetes headless Service), each "
+                             "placed by the role and model its /load reports; repeat for "
+                             "more")  # fmt: skip
+    parser.add_argument("--discover-interval", type=float, default=5.0, metavar="S",
+                        help="seconds between resolutions of each --discover name "
+                             "(default 5)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--health-interval", type=float, default=1.0,
@@ -64,25 +72,36 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ember.router.app import build_router_app
+    from ember.router.members import DnsTarget, check_url
     from ember.router.policy import Pools
     from ember.server.args import access_of
     from ember.server.http_protocol import uvicorn_options
 
     if bool(args.prefill) != bool(args.decode):
         raise ValueError("--prefill and --decode: disaggregation needs workers of both kinds")
-    if not (args.mixed or args.prefill):
-        raise ValueError("give at least one worker URL (--mixed, or --prefill and --decode)")
     if args.load_factor < 1:
         raise ValueError("--load-factor must be >= 1")
+    if args.discover_interval <= 0:
+        raise ValueError("--discover-interval must be > 0")
+    discover = tuple(DnsTarget.parse(spec) for spec in args.discover)
+    for flag in ("mixed", "prefill", "decode"):
+        for url in getattr(args, flag):
+            check_url(url, f"--{flag}")
+    secret = envs.cluster_secret()
+    if not (args.mixed or args.prefill or discover or secret):
+        raise ValueError("give the workers: --mixed URL (or --prefill and --decode URLs), "
+                         "--discover dns://NAME:PORT, or $EMBER_CLUSTER_SECRET for workers "
+                         "that register themselves")  # fmt: skip
     pools = Pools.from_urls(args.mixed, args.prefill, args.decode, args.load_factor, args.policy)
     access = access_of(args)  # what clients show; workers see the router's token instead
-    secret = envs.cluster_secret()
     if secret is None and args.max_migrations:
         logger.warning("streams are not moved when a worker fails: that needs the workers "
                        "and the router to share $EMBER_CLUSTER_SECRET")  # fmt: skip
-    app = build_router_app(pools, args.health_interval, access, secret, migration_of(args))
-    logger.info("routing http://%s:%d -> mixed %s, prefill %s, decode %s", args.host, args.port,
-                args.mixed, args.prefill, args.decode)  # fmt: skip
+    app = build_router_app(pools, args.health_interval, access, secret, migration_of(args),
+                           discover, args.discover_interval)  # fmt: skip
+    logger.info("routing http://%s:%d -> mixed %s, prefill %s, decode %s, discover %s%s",
+                args.host, args.port, args.mixed, args.prefill, args.decode, args.discover,
+                ", registration open to the cluster" if secret else "")  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
                 **uvicorn_options(args.read_timeout, args.max_connections))  # fmt: skip
     return 0

@@ -1,7 +1,9 @@
-"""The router's view of its workers: the pools, the decisions taken, the cluster's cache
-hit ratio, and their Prometheus series. A health loop polls each worker's /load every
-`health_interval` seconds (with the router's token): a worker that fails leaves its pool,
-one that answers again comes back."""
+"""The router's view of its workers: the fleet and its pools (`members.py`), the decisions
+taken, the cluster's cache hit ratio, and their Prometheus series. A health loop polls
+every worker's /load each `health_interval` seconds (with the router's token, all workers
+at once): a worker that fails is out of its pool, one that answers again comes back, and
+what each says of its role and model places it. A discovery loop per `--discover` target
+resolves its name again every `discover_interval` seconds."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from prometheus_client import Counter as PromCounter
 
 from ember import cluster
 from ember.headers import ROUTER_TOKEN_HEADER
+from ember.router.members import DEFAULT_DISCOVER_INTERVAL_S, DnsTarget, Fleet
 from ember.router.migrate import Migration
-from ember.router.policy import Decision, Pools
+from ember.router.policy import Decision, Pools, Worker
 from ember.server.errors import TOO_MANY_CONNECTIONS, error_code_of
 
 logger = logging.getLogger("ember.router")
@@ -29,12 +32,15 @@ HEALTH_MISSES = 3  # misses in a row (too busy to answer) that take a worker out
 class RouterState:
     def __init__(
         self,
-        pools: Pools,
+        fleet: Fleet | Pools,
         health_interval: float,
         cluster_secret: bytes | None = None,
         migration: Migration | None = None,
+        discover: tuple[DnsTarget, ...] = (),
+        discover_interval: float = DEFAULT_DISCOVER_INTERVAL_S,
     ) -> None:
-        self.pools = pools
+        self.fleet = fleet if isinstance(fleet, Fleet) else Fleet.of(fleet)
+        self.discover, self.discover_interval = discover, discover_interval
         self.health_interval = health_interval
         self.cluster_secret = cluster_secret
         self.migration = migration or Migration()
@@ -60,6 +66,10 @@ class RouterState:
         self.worker_load = Gauge(
             "ember_router_worker_tokens_in_flight", "Tokens in flight per worker.",
             ["worker", "pool"], registry=self.registry,
+        )  # fmt: skip
+        self.num_workers = Gauge(
+            "ember_router_workers", "Workers by model, role and status (up, down, draining).",
+            ["model", "role", "status"], registry=self.registry,
         )  # fmt: skip
         self.hit_ratio = Gauge(
             "ember_router_cache_hit_ratio", "Cached / prompt tokens over all responses.",
@@ -92,37 +102,62 @@ class RouterState:
         self.decision_counter.labels(pool, decision.reason).inc()
 
     async def check_health(self) -> None:
-        """Each worker's /load. A worker is down when it cannot be reached, or says it is
-        (its engine is gone or restarting); one that answers too late, or refuses the
-        check at its connection limit, is busy, and down only after HEALTH_MISSES such
-        checks in a row (overload must not empty the pools)."""
-        for worker in self.pools.workers:
-            report, busy = {}, False
-            try:
-                response = await self.health_client.get(
-                    f"{worker.url}/load", headers=self.worker_headers
-                )
-                if response.status_code == 200:
-                    report = response.json()
-                else:
-                    code = error_code_of(response.content, response.headers)
-                    busy = code == TOO_MANY_CONNECTIONS
-            except httpx.TimeoutException:
-                busy = True
-            except (httpx.HTTPError, ValueError):
-                pass
-            if busy:
-                worker.missed_checks += 1
-                ok = worker.healthy and worker.missed_checks < HEALTH_MISSES
+        """Every worker's /load, all at once (draining ones are left alone); then the
+        drained workers with nothing left in flight are forgotten."""
+        workers = [w for w in self.fleet.workers.values() if not w.draining]
+        await asyncio.gather(*(self.check_worker(w) for w in workers))
+        self.fleet.sweep()
+
+    async def check_worker(self, worker: Worker) -> None:
+        """One worker's /load. It is down when it cannot be reached, or says it is (its
+        engine is gone or restarting); one that answers too late, or refuses the check at
+        its connection limit, is busy, and down only after HEALTH_MISSES such checks in a
+        row (overload must not empty the pools). Its report says its role and model."""
+        report, busy = {}, False
+        try:
+            response = await self.health_client.get(
+                f"{worker.url}/load", headers=self.worker_headers
+            )
+            if response.status_code == 200:
+                report = response.json()
             else:
-                worker.missed_checks = 0
-                ok = bool(report) and report.get("healthy", True)
-                worker.reported = report if ok else {}
-            if ok != worker.healthy:
-                logger.warning("worker %s is %s", worker.url, "back" if ok else "down")
-            worker.healthy = ok
+                code = error_code_of(response.content, response.headers)
+                busy = code == TOO_MANY_CONNECTIONS
+        except httpx.TimeoutException:
+            busy = True
+        except (httpx.HTTPError, ValueError):
+            pass
+        if not isinstance(report, dict):
+            report = {}
+        if busy:
+            worker.missed_checks += 1
+            ok = worker.healthy and worker.missed_checks < HEALTH_MISSES
+        else:
+            worker.missed_checks = 0
+            ok = bool(report) and report.get("healthy", True)
+            worker.reported = report if ok else {}
+            if ok and worker.url in self.fleet.workers:
+                self.fleet.learn(worker, report)
+        if ok != worker.healthy:
+            logger.log(logging.INFO if ok else logging.WARNING,
+                       "worker %s is %s", worker.url, "up" if ok else "down")  # fmt: skip
+        worker.healthy = ok
 
     async def health_loop(self) -> None:
         while True:
             await self.check_health()
             await asyncio.sleep(self.health_interval)
+
+    async def discover_once(self) -> None:
+        """Each --discover target resolved; new workers checked at once."""
+        for target in self.discover:
+            urls = await target.resolve()
+            if urls is not None:
+                self.fleet.discovered(target, urls)
+        fresh = [w for w in self.fleet.workers.values() if not w.draining and not w.reported]
+        await asyncio.gather(*(self.check_worker(w) for w in fresh))
+
+    async def discover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.discover_interval)
+            await self.discover_once()

@@ -139,6 +139,7 @@ def build_app(
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_prompt_tokens_computed": stats.num_prompt_tokens_computed,
             "role": llm.role,
+            "model": model_name,  # a router keeps a pool per model
             "parallel": llm.parallel,
             "kv_store": llm.kv_store,  # workers naming the same store share their KV
             "kv_transfer": {

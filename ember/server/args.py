@@ -43,6 +43,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "oldest responses go first (default 64M)",
     )
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument(
+        "--register",
+        default=None,
+        metavar="ROUTER_URL",
+        help="join this router (POST /workers, again every 10 s; needs $EMBER_CLUSTER_SECRET) "
+        "and leave it when stopping (it drains this worker)",
+    )
+    parser.add_argument(
+        "--advertise-url",
+        default=None,
+        metavar="URL",
+        help="with --register: the URL the router reaches this worker at (default "
+        "http://HOST:PORT of --host and --port)",
+    )
 
 
 def add_access_args(parser: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ from ember.server.args import access_of
 from ember.server.http_protocol import uvicorn_options
 from ember.server.metrics import ServerMetrics
 from ember.server.parsers import resolve_parsers
+from ember.server.register import Registration, advertised_url
 
 logger = logging.getLogger("ember.server")
 
@@ -42,6 +43,10 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
     """Serves until SIGINT / SIGTERM; stops the core before it returns."""
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     access = access_of(args, envs.cluster_secret())
+    registration = None
+    if args.register:  # checked before the frontend starts
+        url = advertised_url(args.host, args.port, args.advertise_url)
+        registration = Registration(args.register, url, args.role, envs.cluster_secret())
     llm = AsyncLLM(core=core, restarts=args.engine_restarts)
     try:
         parsers = resolve_parsers(llm.tokenizer, args.tool_call_parser, args.reasoning_parser)
@@ -58,14 +63,22 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
             **uvicorn_options(args.read_timeout, args.max_connections),
         )
-        started = functools.partial(_report_startup, app.state.metrics, llm.core_startup)
-        server = _Server(config, llm, args.shutdown_timeout, started)
+        started = functools.partial(_started, app.state.metrics, llm.core_startup, registration)
+        server = _Server(config, llm, args.shutdown_timeout, started, registration)
         llm.on_gone = server.engine_gone
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)
         server.run()
     finally:
         llm.shutdown()
+        if registration is not None:
+            registration.leave_soon().join(5.0)
     return 1 if server.gone else 0
+
+
+def _started(metrics: ServerMetrics, core_marks: list[startup.Mark], registration) -> None:
+    _report_startup(metrics, core_marks)
+    if registration is not None:
+        registration.start()
 
 
 def _report_startup(metrics: ServerMetrics, core_marks: list[startup.Mark]) -> None:
@@ -81,10 +94,16 @@ def _report_startup(metrics: ServerMetrics, core_marks: list[startup.Mark]) -> N
 
 class _Server(uvicorn.Server):
     def __init__(
-        self, config: uvicorn.Config, llm, shutdown_timeout: float, started: Callable[[], None]
+        self,
+        config: uvicorn.Config,
+        llm,
+        shutdown_timeout: float,
+        started: Callable[[], None],
+        registration: Registration | None = None,
     ) -> None:
         super().__init__(config)
         self.llm = llm
+        self.registration = registration
         self.shutdown_timeout = shutdown_timeout
         self.started_callback = started
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -117,6 +136,8 @@ class _Server(uvicorn.Server):
             self.started_callback()
 
     def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit and self.registration is not None:  # the router drains us
+            self.registration.leave_soon()
         if not self.should_exit and self.loop is not None:
             logger.info("shutting down; in-flight requests have %.0f s", self.shutdown_timeout)
             self.loop.call_soon_threadsafe(
