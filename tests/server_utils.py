@@ -228,3 +228,36 @@ def tiny_server(tiny_checkpoint, *args: str):
     server = EmberServer(str(tiny_checkpoint("llama")), *args, "--served-model-name", "tiny")
     yield server
     assert server.stop() == 0
+
+
+def with_hosts_file(hosts: Path, argv: list[str]) -> list[str]:
+    """`argv` run in a mount namespace of its own whose /etc/hosts is `hosts` (a name
+    resolver for names only this process knows: several "hosts" on one machine); skips
+    the calling test where namespaces cannot be made."""
+    import shlex
+    import shutil
+
+    import pytest
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare command")
+    mount = f"mount --bind {shlex.quote(str(hosts))} /etc/hosts"
+    for flags in ("-m", "-rm"):
+        probe = subprocess.run(["unshare", flags, "sh", "-c", mount], capture_output=True)
+        if probe.returncode == 0:
+            return ["unshare", flags, "sh", "-c", f"{mount} && exec {shlex.join(argv)}"]
+    pytest.skip(f"cannot make a mount namespace: {probe.stderr.decode().strip()}")
+
+
+def free_port_on(*hosts: str) -> int:
+    """A port free on every one of `hosts` (loopback addresses) now."""
+    for _ in range(100):
+        port = free_port()
+        try:
+            for host in hosts:
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise AssertionError(f"no port free on all of {hosts}")
