@@ -21,11 +21,17 @@ def api_key() -> str | None:
     return os.environ.get("EMBER_API_KEY") or None
 
 
+PLACEHOLDER_SECRET = "REPLACE-ME"  # what deploy/kubernetes ships in place of a secret
+
+
 def cluster_secret() -> bytes | None:
     """The cluster's shared secret: $EMBER_CLUSTER_SECRET (never on a command line, where
     other users could read it). Workers that have it serve only their router and sign the
     prefills they hand over; KV endpoints admit only peers that prove it (`ember.cluster`)."""
     value = os.environ.get("EMBER_CLUSTER_SECRET")
+    if value and value.startswith(PLACEHOLDER_SECRET):
+        raise ValueError("EMBER_CLUSTER_SECRET is the deploy manifests' placeholder: set a "
+                         "secret of your own (e.g. `openssl rand -hex 32`)")  # fmt: skip
     return value.encode() if value else None
 
 

@@ -220,9 +220,12 @@ def block_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
 
 
 def node_id() -> str:
-    """This host's identity for "same machine?" (the kernel's boot id)."""
+    """This host's identity for "may we share memory?": the kernel's boot id and the
+    device of /dev/shm (containers on one host, e.g. two pods on one node, share the boot
+    id but each has a /dev/shm of its own)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+            boot = f.read().strip()
+        return f"{boot}:{os.stat(SHM_DIR).st_dev}"
     except OSError:
         return ""
