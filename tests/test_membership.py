@@ -113,6 +113,8 @@ class MockWorkers:
         if host in self.down or host not in self.models:
             raise httpx.ConnectError("refused", request=request)
         if request.url.path == "/load":
+            if host == "router":  # another router's /load: no role of its own
+                return httpx.Response(200, json={"workers": [], "decisions": {}})
             return httpx.Response(200, json={"model": self.models[host], "role": "mixed"})
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [
@@ -135,7 +137,7 @@ def router_with(workers: MockWorkers, secret: bytes | None = SECRET, static=()):
 
 def test_registration_needs_the_member_token_and_a_valid_worker():
     async def run() -> None:
-        state, client = router_with(MockWorkers({"a": "m"}))
+        state, client = router_with(MockWorkers({"a": "m", "router": "m"}))
         post = client.post
         url = {"url": "http://a:1"}
         assert (await post("/workers", json=url)).status_code == 401
@@ -157,6 +159,9 @@ def test_registration_needs_the_member_token_and_a_valid_worker():
         entry = response.json()
         assert entry["model"] == "m" and entry["status"] == "up" and entry["source"] == "register"
         assert (await post("/workers", json=url, headers=TOKEN)).status_code == 200  # heartbeat
+        response = await post("/workers", json={"url": "http://router:1"}, headers=TOKEN)
+        assert response.json()["status"] == "down"  # a router is no worker: no loop
+        await client.delete(f"/workers/{response.json()['id']}", headers=TOKEN)
         assert (await client.delete(f"/workers/{entry['id']}")).status_code == 401
         assert (await client.delete("/workers/wnope", headers=TOKEN)).status_code == 404
         response = await client.delete(f"/workers/{entry['id']}", headers=TOKEN)

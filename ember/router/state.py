@@ -17,7 +17,7 @@ from prometheus_client import Counter as PromCounter
 
 from ember import cluster
 from ember.headers import ROUTER_TOKEN_HEADER
-from ember.router.members import DEFAULT_DISCOVER_INTERVAL_S, DnsTarget, Fleet
+from ember.router.members import DEFAULT_DISCOVER_INTERVAL_S, ROLES, DnsTarget, Fleet
 from ember.router.migrate import Migration
 from ember.router.policy import Decision, Pools, Worker
 from ember.server.errors import TOO_MANY_CONNECTIONS, error_code_of
@@ -49,6 +49,7 @@ class RouterState:
             {ROUTER_TOKEN_HEADER: cluster.router_token(cluster_secret)} if cluster_secret else {}
         )
         self.response_homes: OrderedDict[str, str] = OrderedDict()  # response id -> worker
+        self.not_workers: set[str] = set()  # URLs whose /load is no worker's (logged once)
         self.decisions: Counter = Counter()
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -135,6 +136,12 @@ class RouterState:
         else:
             worker.missed_checks = 0
             ok = bool(report) and report.get("healthy", True)
+            if ok and worker.source != "static" and report.get("role") not in ROLES:
+                # not an ember worker (another router: requests would go round in a loop)
+                ok = False
+                if worker.url not in self.not_workers:
+                    self.not_workers.add(worker.url)
+                    logger.warning("%s does not report a worker's role: not used", worker.url)
             worker.reported = report if ok else {}
             if ok and worker.url in self.fleet.workers:
                 self.fleet.learn(worker, report)
