@@ -501,11 +501,6 @@ class EngineConfig:
                 "kv_offload_memory, kv_disk_dir and kv_store keep blocks by their prefix "
                 "hashes: they need enable_prefix_caching"
             )
-        if tiers and self.device != "cpu" and self.resolve_device().type != "cpu":
-            raise ValueError(
-                "kv_offload_memory, kv_disk_dir and kv_store copy blocks through host memory: "
-                "CPU only for now (device='cpu')"
-            )
         for name in ("kv_offload_memory", "kv_disk_size"):
             value = getattr(self, name)
             if value is not None:

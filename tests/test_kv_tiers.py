@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ember import LLM, SamplingParams
+from ember.kv.buffers import DeviceBlocks, block_bytes, chunks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
@@ -147,11 +149,62 @@ def test_another_model_or_tenant_never_hits(tiny_checkpoint, tmp_path):
     assert len({p.parent for p in Path(tmp_path).rglob("*.kvb")}) == 2
 
 
-def test_tiers_are_refused_on_cuda_for_now():
-    from ember.config import EngineConfig
+def as_rows(llm: LLM) -> LLM:
+    """The engine's tiers move blocks as a KV cache on CUDA has them moved: gathered into
+    rows of bytes, each row to or from its tier, the rows scattered into the blocks
+    (DeviceBlocks, here over the CPU tensors)."""
+    tiers = store(llm)
+    tiers.device_blocks = DeviceBlocks(tiers.kv_caches)
+    return llm
 
-    with pytest.raises(ValueError, match="CPU only"):
-        EngineConfig(device="cuda", kv_disk_dir="/tmp/x")
+
+def test_blocks_moved_as_rows_come_back_from_memory_disk_and_a_restart(
+    tiny_checkpoint, expected, tmp_path, monkeypatch
+):
+    first, turn2, second = expected
+    gathered, scattered = [], []
+    monkeypatch.setattr(DeviceBlocks, "gather", spy(DeviceBlocks.gather, gathered))
+    monkeypatch.setattr(DeviceBlocks, "scatter", spy(DeviceBlocks.scatter, scattered))
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_size=1 << 24, **POOL)
+    llm = as_rows(LLM(str(tiny_checkpoint("llama")), kv_offload_memory=1 << 20, **options))
+    assert tokens(llm, PROMPT_A) == first
+    tokens(llm, PROMPT_B)
+    tokens(llm, PROMPT_C)
+    out = llm.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == second
+    assert store(llm).stats.host.hits * BLOCK == out.num_cached_tokens >= 12 * BLOCK
+    assert gathered and scattered
+    store(llm).flush()
+    restarted = as_rows(LLM(str(tiny_checkpoint("llama")), **options))
+    out = restarted.generate([turn2], GREEDY)[0]
+    assert out.outputs[0].token_ids == second
+    assert store(restarted).stats.disk.hits * BLOCK == out.num_cached_tokens >= 12 * BLOCK
+    assert_clean(restarted)
+
+
+def spy(method, calls: list):
+    def called(self, *args):
+        calls.append(len(args[0]))
+        return method(self, *args)
+
+    return called
+
+
+def test_rows_are_the_bytes_of_each_block():
+    """A block's row is its bytes in the order a CPU cache's `chunks` gives them (so the
+    disk and the store mean the same by them), and scattering rows writes just their
+    blocks."""
+    torch.manual_seed(0)
+    kv = [torch.randn(2, 6, 4, 2, 3), torch.randn(1, 6, 4, 1, 5)]  # K+V, and a latent
+    rows = DeviceBlocks(kv).gather([4, 1])
+    assert rows.shape == (2, block_bytes(kv))
+    assert bytes(rows[0].numpy()) == b"".join(chunks(kv, [4]))
+    assert bytes(rows[1].numpy()) == b"".join(chunks(kv, [1]))
+    before = [t.clone() for t in kv]
+    DeviceBlocks(kv).scatter([0, 5], rows)
+    for now, was in zip(kv, before, strict=True):
+        assert torch.equal(now[:, 0], was[:, 4]) and torch.equal(now[:, 5], was[:, 1])
+        assert torch.equal(now[:, 1:5], was[:, 1:5])
 
 
 def test_tiers_need_prefix_caching(tiny_checkpoint, tmp_path):

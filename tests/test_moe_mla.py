@@ -20,9 +20,10 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from ember import LLM, SamplingParams
-from ember.config import ModelConfig
+from ember.config import ModelConfig, MoEConfig
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.mla import MLABackend, MLAWeights
+from ember.models import moe
 from ember.models.moe import Experts, SparseMoE, TopKRouter
 from server_utils import WORKER_ARGS, EmberServer, Up, moe_samples
 
@@ -61,6 +62,57 @@ def test_greedy_and_prefill_logits_match_transformers(tiny_checkpoint, arch):
     assert_no_blocks_used(llm)
     fresh = LLM(str(path), **SMALL_KV)
     torch.testing.assert_close(prefill_logits(fresh, PROMPTS[3]), theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_grouped_gemm_experts_give_transformers_tokens(tiny_checkpoint, arch, monkeypatch):
+    """The path CUDA takes (two grouped GEMMs a layer, torch's `grouped_mm`), forced on
+    CPU, where torch runs the same operator as a loop over the groups: greedy tokens and
+    prefill logits as transformers', and the grouped GEMM is what ran."""
+    calls, grouped_mm = [], moe.GROUPED_MM
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["offs"].shape[0])
+        return grouped_mm(*args, **kwargs)
+
+    path = tiny_checkpoint(arch)
+    model, expected = reference(path, arch)
+    llm = LLM(str(path), max_num_batched_tokens=48, **SMALL_KV)
+    experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)]
+    assert not experts[0].grouped(torch.zeros(1, 64))  # auto: a loop on CPU
+    for layer in experts:
+        layer.mode = "grouped"
+    monkeypatch.setattr(moe, "GROUPED_MM", counted)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert calls and set(calls) == {experts[0].num_experts}
+    with torch.inference_mode():
+        theirs = model(torch.tensor([PROMPTS[3]])).logits[0]
+    fresh = LLM(str(path), **SMALL_KV)
+    for layer in fresh.engine.core.runner.model.modules():
+        if isinstance(layer, Experts):
+            layer.mode = "grouped"
+    torch.testing.assert_close(prefill_logits(fresh, PROMPTS[3]), theirs, atol=1e-4, rtol=0)
+
+
+def test_grouped_experts_equal_the_loop_with_idle_experts():
+    """Experts no token chose (empty groups), one token, and no token at all."""
+    config = MoEConfig(8, 2, intermediate_size=32, scoring="softmax", norm_topk_prob=True)
+    layer = Experts(64, config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        layer.gate_up_proj.normal_(std=0.1)
+        layer.down_proj.normal_(std=0.1)
+    for count in (0, 1, 5, 40):
+        hidden = torch.randn(count, 64)
+        ids = torch.randint(0, 3, (count, 2))  # experts 3-7 idle
+        weights = torch.rand(count, 2)
+        layer.mode = "loop"
+        expected = layer(hidden, weights, ids)
+        layer.mode = "grouped"
+        torch.testing.assert_close(layer(hidden, weights, ids), expected, atol=1e-6, rtol=0)
+    layer.mode = "fast"
+    with pytest.raises(ValueError, match="Experts.mode"):
+        layer(hidden, weights, ids)
 
 
 def test_experts_sit_where_the_config_puts_them(tiny_checkpoint):

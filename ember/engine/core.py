@@ -113,7 +113,8 @@ class EngineCore:
 
     def _kv_identity(self) -> str:
         """What the KV this engine computes depends on: the checkpoint, the cache layout,
-        the dtypes and the precision of the matmuls (ember.kv.tiers keys blocks by it)."""
+        the dtypes, the device's kind and the precision of the matmuls (ember.kv.tiers keys
+        blocks by it)."""
         runner = self.runner
         kv = runner.worker_kv
         tensors, pieces = (kv.tensors, kv.pieces) if kv else (runner.kv_caches, runner.kv_pieces)
@@ -123,7 +124,8 @@ class EngineCore:
         ]
         return (
             f"v1|{self.checkpoint.identity()}|{layout}|block {self.config.block_size}|"
-            f"{runner.dtype}|{runner.weight_dtype}|bf16 prefill {runner.bf16_prefill}"
+            f"{runner.dtype}|{runner.weight_dtype}|bf16 prefill {runner.bf16_prefill}|"
+            f"{runner.device.type}"
         )
 
     def close(self) -> None:

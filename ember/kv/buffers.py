@@ -23,11 +23,13 @@ last block, and a masked NaN left by an earlier allocation would still poison it
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -155,6 +157,66 @@ def chunks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> Itera
             for first, count in block_runs:
                 part = layer[kv, first : first + count]
                 yield memoryview(part.view(torch.uint8).numpy()).cast("B")
+
+
+class DeviceBlocks:
+    """Whole blocks of KV tensors that live on a device (CUDA), gathered into and
+    scattered from one uint8 tensor on that device, a block a row, each row the block's
+    bytes in transfer order (what `chunks` gives for one block on CPU, so a block's bytes
+    mean the same on either). The rows move to and from host memory as single copies.
+
+    `gather` runs on the calling thread's stream (the engine's, between steps);
+    `scatter` on a stream of the calling thread's own (`stream()`: a loader thread's),
+    waiting for its copies before it returns, so a load overlaps steps and is whole once
+    it returns."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0].device
+        self.block_bytes = block_bytes(kv_caches)
+        self._local = threading.local()
+
+    def stream(self):
+        """A context in which this thread's copies go on its own stream (CUDA)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(stream)
+
+    def rows(self, count: int) -> torch.Tensor:
+        return torch.empty((count, self.block_bytes), dtype=torch.uint8, device=self.device)
+
+    def _parts(self) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(part [num_blocks, ...], its bytes' offset in a row, their width)."""
+        offset = 0
+        for layer in self.kv_caches:
+            for part in layer:  # keys then values, or the latent
+                width = part[0].numel() * part.element_size()
+                yield part, offset, width
+                offset += width
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' bytes, a row each."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        out = self.rows(len(ids))
+        for part, offset, width in self._parts():
+            out[:, offset : offset + width] = (
+                part.index_select(0, ids).view(len(ids), -1).view(torch.uint8)
+            )
+        return out
+
+    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Writes rows (as `gather` gives them, on the device) into the blocks; returns
+        once they are written."""
+        with self.stream():
+            ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            for part, offset, width in self._parts():
+                piece = rows[:, offset : offset + width].contiguous().view(part.dtype)
+                part.index_copy_(0, ids, piece.view(len(ids), *part.shape[1:]))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
 
 
 class Prefaulter:

@@ -29,6 +29,7 @@ import hashlib
 import logging
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember.kv.buffers import block_bytes, chunks
+from ember.kv.buffers import DeviceBlocks, block_bytes, chunks
 from ember.kv.disk_tier import DiskTier
 
 logger = logging.getLogger("ember.kv")
@@ -89,18 +90,22 @@ def namespace(identity: str) -> bytes:
 
 
 class HostTier:
-    """Blocks in host memory: a preallocated pool of `capacity // block_bytes` slots.
+    """Blocks in host memory: a preallocated pool of `capacity // block_bytes` slots
+    (`pinned`, for a KV cache on CUDA: page-locked, so a block moves to and from the
+    device in one DMA copy).
 
     Two LRU lists: blocks of agent sessions (`retain`) are evicted only when no other block
     is left."""
 
-    def __init__(self, capacity: int, block_bytes: int, stats: TierCounters) -> None:
+    def __init__(
+        self, capacity: int, block_bytes: int, stats: TierCounters, pinned: bool = False
+    ) -> None:
         num_slots = capacity // block_bytes
         if num_slots < 1:
             raise ValueError(
                 f"kv_offload_memory of {capacity} bytes holds no block of {block_bytes} bytes"
             )
-        self.buffer = torch.empty((num_slots, block_bytes), dtype=torch.uint8)
+        self.buffer = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=pinned)
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, LRU first
         self.kept: OrderedDict[bytes, int] = OrderedDict()  # the sessions' blocks
         self._free = list(range(num_slots - 1, -1, -1))
@@ -112,11 +117,16 @@ class HostTier:
             return key in self.slots or key in self.kept
 
     def put(
-        self, key: bytes, views: Iterable[memoryview], copy: bool = False, retain: bool = False
+        self,
+        key: bytes,
+        views: Iterable[memoryview] | torch.Tensor,
+        copy: bool = False,
+        retain: bool = False,
     ) -> bytes | None:
         """Copies a block in (evicting the least recently used one if full), now the most
         recent of its list (`retain`: the sessions'); with `copy`, returns a copy of its
-        bytes, taken under the same lock."""
+        bytes, taken under the same lock. `views`: the block's bytes in pieces, or a row
+        of them on a device (DeviceBlocks), copied in before this returns."""
         with self.lock:
             slot = self.slots.pop(key, None)
             if slot is None:
@@ -128,28 +138,51 @@ class HostTier:
                 else:
                     _, slot = (self.slots or self.kept).popitem(last=False)
                     self._stats.evictions += 1
-                target, offset = self._view(slot), 0
-                for view in views:
-                    target[offset : offset + len(view)] = view
-                    offset += len(view)
+                if isinstance(views, torch.Tensor):
+                    self.buffer[slot].copy_(views)
+                else:
+                    _gather(views, self._view(slot))
                 self._stats.writes += 1
             (self.kept if retain else self.slots)[key] = slot
             return bytes(self._view(slot)) if copy else None
 
-    def find(self, key: bytes) -> memoryview | None:
-        """A block's bytes in place, now the most recent (hold `lock` while using them)."""
+    def find(self, key: bytes) -> torch.Tensor | None:
+        """A block's bytes in place (a uint8 row), now the most recent (hold `lock` while
+        using them)."""
         for lru in (self.slots, self.kept):
             slot = lru.get(key)
             if slot is not None:
                 lru.move_to_end(key)
-                return self._view(slot)
+                return self.buffer[slot]
         return None
 
     def _view(self, slot: int) -> memoryview:
-        return memoryview(self.buffer[slot].numpy()).cast("B")
+        return _bytes_of(self.buffer[slot])
 
 
-def _scatter(source: memoryview, targets: Sequence[memoryview]) -> None:
+def _bytes_of(row: torch.Tensor) -> memoryview:
+    return memoryview(row.numpy()).cast("B")
+
+
+def _gather(views: Iterable[memoryview], target: memoryview) -> None:
+    offset = 0
+    for view in views:
+        target[offset : offset + len(view)] = view
+        offset += len(view)
+
+
+def _scatter(source: memoryview | torch.Tensor, targets: Sequence[memoryview] | torch.Tensor):
+    """A block's bytes (in host memory: a host tier's row, or bytes read) into its places
+    (views into a CPU KV cache, or a row on the device, DeviceBlocks)."""
+    if isinstance(targets, torch.Tensor):
+        if not isinstance(source, torch.Tensor):
+            with warnings.catch_warnings():  # read only: bytes are not writable
+                warnings.simplefilter("ignore", UserWarning)
+                source = torch.frombuffer(source, dtype=torch.uint8)
+        targets.copy_(source)  # pinned (a host tier's) or pageable: waits for the copy
+        return
+    if isinstance(source, torch.Tensor):
+        source = _bytes_of(source)
     offset = 0
     for target in targets:
         target[:] = source[offset : offset + len(target)]
@@ -212,11 +245,19 @@ class TierLoad:
             self._cancelled = True
             return True
 
-    def scatter(self, source: memoryview, targets: Sequence[memoryview]) -> None:
+    def scatter(self, source, targets) -> None:
         with self._lock:
             if self._cancelled:
                 raise Cancelled("the load was given up")
             _scatter(source, targets)
+
+    def commit(self, write: Callable[[], None]) -> None:
+        """Runs `write` (the last step of a load, which writes into the request's blocks)
+        unless the load was given up."""
+        with self._lock:
+            if self._cancelled:
+                raise Cancelled("the load was given up")
+            write()
 
 
 class KnownKeys:
@@ -263,7 +304,12 @@ class TieredStore:
         self.space = namespace(identity)
         self.stats = TierStats()
         stats = self.stats
-        self.host = HostTier(host_bytes, self.block_bytes, stats.host) if host_bytes else None
+        # a KV cache on a device: blocks move as rows (DeviceBlocks), a host tier pinned
+        on_device = bool(kv_caches) and kv_caches[0].device.type != "cpu"
+        self.device_blocks = DeviceBlocks(kv_caches) if on_device else None
+        self.host = None
+        if host_bytes:
+            self.host = HostTier(host_bytes, self.block_bytes, stats.host, pinned=on_device)
         self.disk = None
         if disk_dir:
             self.disk = DiskTier(disk_dir, disk_bytes, self.space, stats.disk, session_ttl)
@@ -366,17 +412,21 @@ class TieredStore:
         between steps, before the blocks are freed); disk and cluster writes go on in the
         background. `retain`: an agent session's blocks, evicted last (host memory, the
         store's soft pin) and kept on disk for the session TTL."""
-        for block_hash, block_id in blocks:
+        blocks = list(blocks)
+        rows = None  # on a device: every block's bytes, gathered in one go
+        if self.device_blocks is not None and blocks:
+            rows = self.device_blocks.gather([block_id for _, block_id in blocks])
+        for i, (block_hash, block_id) in enumerate(blocks):
             key = self.key(block_hash)
             on_disk = self.disk is not None and key in self.disk
             to_disk = self.disk is not None and not on_disk
             to_cluster = self.cluster is not None and key not in self._in_cluster
+            views = chunks(self.kv_caches, [block_id]) if rows is None else rows[i]
             if self.host is not None:
-                views = chunks(self.kv_caches, [block_id])
                 copy = to_disk or to_cluster  # now the most recent:
                 data = self.host.put(key, views, copy=copy, retain=retain)
             elif to_disk or to_cluster:
-                data = b"".join(chunks(self.kv_caches, [block_id]))
+                data = b"".join(views) if rows is None else views.cpu().numpy().tobytes()
             if to_disk:
                 self._disk_writer.submit(key, data, retain)
             elif on_disk and retain:  # its TTL starts again
@@ -409,9 +459,25 @@ class TieredStore:
         return load
 
     def _load(self, blocks: list[tuple[bytes, int]], load: TierLoad, retain: bool) -> int:
-        for block_hash, block_id in blocks:
+        device = self.device_blocks
+        if device is None:
+            self._read_into(blocks, load, retain, None)
+        else:  # each block into a row on the device, then every row into its block at once
+            with device.stream():
+                rows = device.rows(len(blocks))
+                self._read_into(blocks, load, retain, rows)
+                ids = [block_id for _, block_id in blocks]
+                load.commit(lambda: device.scatter(ids, rows))
+        if self._loaded is not None:
+            self._loaded([block_id for _, block_id in blocks])
+        return len(blocks) * self.block_bytes
+
+    def _read_into(self, blocks, load: TierLoad, retain: bool, rows: torch.Tensor | None):
+        """Each block's bytes from the first tier that holds it, into its places in the KV
+        tensors, or into its row of `rows` (a KV cache on a device)."""
+        for i, (block_hash, block_id) in enumerate(blocks):
             key = self.key(block_hash)
-            targets = list(chunks(self.kv_caches, [block_id]))
+            targets = list(chunks(self.kv_caches, [block_id])) if rows is None else rows[i]
             start = time.perf_counter()
             if self.host is not None:
                 self._wait_fetch(key)
@@ -437,9 +503,6 @@ class TieredStore:
             self._count(tier, start)
             if self.host is not None:  # the next turn finds it in memory
                 self.host.put(key, [memoryview(data)], retain=retain)
-        if self._loaded is not None:
-            self._loaded([block_id for _, block_id in blocks])
-        return len(blocks) * self.block_bytes
 
     def _count(self, tier: TierCounters, start: float) -> None:
         tier.hits += 1

@@ -75,10 +75,22 @@ class TopKRouter(nn.Module):
         return weights * moe.routed_scaling_factor, ids
 
 
+# torch's grouped GEMM: one kernel for every expert's matmul (CUTLASS on Hopper and
+# Blackwell for bf16; elsewhere torch loops over the groups itself)
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+EXPERT_MODES = ("auto", "grouped", "loop")
+
+
 class Experts(nn.Module):
     """The routed experts of one layer (SwiGLU MLPs), run grouped by expert.
 
-    An expert's matmul over its few rows of a decode step (CPU, fp32 weights) reads the
+    On CUDA every expert's gate/up matmul is one grouped GEMM over the tokens sorted by
+    expert, and so is every expert's down matmul (`GROUPED_MM`): two kernels a layer, no
+    loop over experts in Python and no wait for the tokens' counts. Elsewhere (and on
+    CUDA where the weights' rows are not 16-byte aligned, as torch's kernel asks) a loop
+    runs each expert's matmuls once over its tokens; `mode` forces either.
+
+    On CPU an expert's matmul over its few rows of a decode step (CPU, fp32 weights) reads the
     GGUF file's blocks of its weights where the file had them in a block format
     (`load_blocks`: ember's block GEMM, bit-identical to the fp32 weights, 4-7x fewer
     bytes), else streams the weights once through ember's small GEMM.
@@ -111,6 +123,7 @@ class Experts(nn.Module):
             param.weight_loader = self._load_stacked
         self.gate_up_proj.shard_of = lambda shard_id=None: self._stacked_part("gate_up_proj")
         self.down_proj.shard_of = lambda shard_id=None: self._stacked_part("down_proj")
+        self.mode = "auto"  # EXPERT_MODES: grouped GEMM on CUDA, a loop elsewhere
         self.small_gemm = None  # ember's kernel for an expert's few rows (pack_for_cpu)
         # GGUF blocks of the stacked weights, uint8 [experts, out, blocks per row, bytes
         # per block] (pack_for_cpu keeps them where ember's block GEMM takes them)
@@ -255,6 +268,21 @@ class Experts(nn.Module):
             return None
         return torch.cat(rows).view(self.num_local, -1, *rows[0].shape[1:])
 
+    def grouped(self, hidden: torch.Tensor) -> bool:
+        """Whether `forward` runs the experts as two grouped GEMMs (class docstring)."""
+        if self.mode not in EXPERT_MODES:
+            raise ValueError(f"Experts.mode must be one of {EXPERT_MODES}; got {self.mode!r}")
+        if self.mode != "auto":
+            return self.mode == "grouped"
+        size = hidden.element_size()
+        return (
+            hidden.device.type == "cuda"
+            and GROUPED_MM is not None
+            and self.num_local == self.num_experts  # every expert is this rank's
+            and self.gate_up_proj.dtype == hidden.dtype
+            and all(n * size % 16 == 0 for n in (hidden.shape[1], self.inter_size))
+        )
+
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """sum over each token's experts e of weight_e * expert_e(token)."""
         num_tokens, top_k = ids.shape
@@ -263,7 +291,19 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         token_of = order // top_k
         rows = hidden.index_select(0, token_of)
-        # another rank's experts leave zeros here (expert parallel)
+        if num_tokens and self.grouped(hidden):
+            ends = counts.cumsum(0).to(torch.int32)  # each expert's rows end here
+            gate_up = GROUPED_MM(rows, self.gate_up_proj.transpose(1, 2), offs=ends)
+            out = GROUPED_MM(silu_and_mul(gate_up), self.down_proj.transpose(1, 2), offs=ends)
+        else:
+            out = self._loop(rows, counts)
+        out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
+        # this rank's share; over ranks SparseMoE sums the shares
+        return torch.zeros_like(hidden).index_add_(0, token_of, out)
+
+    def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each of this rank's experts' matmuls over its rows (rows sorted by expert,
+        `counts` of each); another rank's experts leave zeros (expert parallel)."""
         held = self.num_local == self.num_experts
         out = torch.empty_like(rows) if held else torch.zeros_like(rows)
         start = 0
@@ -274,9 +314,7 @@ class Experts(nn.Module):
                 continue
             gate_up = self._matmul(rows[part], "gate_up_proj", expert - self.first)
             out[part] = self._matmul(silu_and_mul(gate_up), "down_proj", expert - self.first)
-        out *= weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype)
-        # this rank's share; over ranks SparseMoE sums the shares
-        return torch.zeros_like(hidden).index_add_(0, token_of, out)
+        return out
 
     def _matmul(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
         """x times this rank's expert `expert`'s `name` weight: decode rows from its GGUF blocks or
