@@ -42,6 +42,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--decode-seqs", type=int, default=0, help="also time decode steps")
+    parser.add_argument(
+        "--kernel-attention",
+        action="store_true",
+        help="bf16 prefill chunks attend through ember's kernel also on AMX (no bf16 SDPA)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,9 +56,16 @@ def main() -> None:
         enable_prefix_caching=False,
         kv_cache_memory=1 << 30,
     )
+    backends = {getattr(m, "backend", None) for m in llm.engine.core.runner.model.modules()} - {
+        None
+    }
+    for backend in backends:
+        if args.kernel_attention and hasattr(backend, "bf16_sdpa"):
+            backend.bf16_sdpa = False
     result = dict(
-        precision=args.precision, threads=torch.get_num_threads(), rss_mb=round(_rss_mb())
-    )
+        precision=args.precision, threads=torch.get_num_threads(), rss_mb=round(_rss_mb()),
+        bf16_sdpa=any(getattr(b, "bf16_sdpa", False) for b in backends),
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     cases = {"286": _prompts(1, 286, 1), "512": _prompts(1, 512, 2), "4x286": _prompts(4, 286, 3)}
     llm.generate(_prompts(2, 64, 0), params)  # warm-up

@@ -22,6 +22,7 @@ Prints a JSON line per measurement. `--tokenizer DIR`: any tokenizer files of a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -72,7 +73,8 @@ def layer_times() -> None:
                 row = {"layer": name, "tokens": tokens}
                 for mode in ("grouped", "loop"):
                     layer.mode = mode
-                    row[f"{mode}_ms"] = round(cuda_ms(lambda: layer(hidden, weights, ids)), 3)
+                    call = functools.partial(layer, hidden, weights, ids)
+                    row[f"{mode}_ms"] = round(cuda_ms(call), 3)
                 row["speedup"] = round(row["loop_ms"] / row["grouped_ms"], 2)
                 print(json.dumps(row), flush=True)
 
@@ -154,17 +156,22 @@ def tier_bandwidth(num_blocks: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--tokenizer", type=Path)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/ember-ds-gpu"))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--only", choices=["layers", "tiers", "decode"], nargs="+",
+                        default=["layers", "tiers", "decode"])  # fmt: skip
     args = parser.parse_args()
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
-    layer_times()
-    tier_bandwidth(args.blocks)
-    tier_bandwidth(args.blocks)  # the second: pinned staging and streams warm
-    decode(build(args.dir, args.tokenizer), args.batches, args.steps)
+    if "layers" in args.only:
+        layer_times()
+    if "tiers" in args.only:
+        for _ in range(3):  # the first warms the pinned allocator and the streams
+            tier_bandwidth(args.blocks)
+    if "decode" in args.only:
+        decode(build(args.dir, args.tokenizer), args.batches, args.steps)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,36 @@ def test_auto_picks_the_cpu_kernel_for_float32_cpu():
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("flash", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("bf16_sdpa", [True, False])
+def test_bf16_prefill_chunks_go_to_sdpa_where_the_cpu_has_amx(bf16_sdpa, monkeypatch):
+    """On a CPU with AMX (`bf16_sdpa`, forced here) a bf16 prefill chunk of 64 rows or more
+    attends through torch's bf16 SDPA, a shorter one through ember's kernel; the results
+    stay within bf16 rounding of causal attention either way."""
+    from ember.engine.attention import AMX_SDPA_MIN_ROWS, CPUPagedBackend
+    from ember.engine.kernels import cpu_kernels
+
+    rows, sdpa_prefill = [], TorchSDPABackend._prefill
+
+    def counted(q, k, v, kv_cache, seq, scale):
+        rows.append(seq.query_len)
+        return sdpa_prefill(q, k, v, kv_cache, seq, scale)
+
+    monkeypatch.setattr(TorchSDPABackend, "_prefill", staticmethod(counted))
+    backend = CPUPagedBackend(cpu_kernels(), bf16_sdpa=bf16_sdpa)
+    torch.manual_seed(0)
+    head_dim = 64
+    kv_cache = torch.zeros(2, 64, BS, HKV, head_dim)
+    lengths, done = [1, 17, 90, AMX_SDPA_MIN_ROWS - 1], [0, 0, 0, 0]
+    seqs, free, used = [], torch.randperm(64), 0
+    for n in lengths:
+        table = free[used : used + -(-n // BS)]
+        used += len(table)
+        q, k, v = (torch.randn(n, heads, head_dim) for heads in (H, HKV, HKV))
+        seqs.append((q, k, v, table))
+    low = [(q.bfloat16(), k, v, table) for q, k, v, table in seqs]
+    outs = run_step(backend, kv_cache, low, done)
+    for i, (q, k, v, _) in enumerate(seqs):
+        torch.testing.assert_close(outs[i].float(), reference(q, k, v), atol=3e-2, rtol=0)
+    assert rows == ([90] if bf16_sdpa else [])

@@ -159,15 +159,26 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
     return key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
 
 
+# a bf16 prefill chunk of at least this many rows attends through torch's bf16 SDPA on a
+# CPU with AMX: 1.6-2.5x faster there than ember's fp32 kernel from 128 rows on, slower
+# at 16 (docs/benchmarks.md, "Prefill attention on an AMX CPU")
+AMX_SDPA_MIN_ROWS = 64
+
+
 class CPUPagedBackend(TorchSDPABackend):
     """Attends with ember's C++ kernels, which read K and V blocks in place (no gathered
     copy of every context, which at 64 sequences costs more than the matmuls): decodes in
     one batched call, prefill chunks one by one, causal without a mask. Head sizes the
-    prefill kernel has no build for go to torch's SDPA. CPU, float32 cache."""
+    prefill kernel has no build for go to torch's SDPA, and so do bf16 prefill chunks of
+    AMX_SDPA_MIN_ROWS or more where `bf16_sdpa` (a CPU with AMX: oneDNN's bf16 attention
+    on the tiles beats the kernel's fp32 FMAs). CPU, float32 cache."""
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, bf16_sdpa: bool | None = None) -> None:
+        from ember.models.layers import cpu_has_amx
+
         self.kernels = kernels
         self.prefill_head_dims = frozenset(kernels.prefill_head_dims)
+        self.bf16_sdpa = cpu_has_amx() if bf16_sdpa is None else bf16_sdpa
 
     def _write(self, k, v, kv_cache, slot_mapping):
         self.kernels.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
@@ -176,7 +187,10 @@ class CPUPagedBackend(TorchSDPABackend):
         """ember's kernel over the blocks in place (this chunk's keys are in the cache
         already), causal without a mask, in float32 also in a bf16 step: at SmolLM2's
         shapes 1.3-2x faster than torch's SDPA in either dtype (docs/benchmarks.md)."""
-        if q.shape[-1] not in self.prefill_head_dims:
+        on_amx = self.bf16_sdpa and q.dtype == torch.bfloat16
+        if q.shape[-1] not in self.prefill_head_dims or (
+            on_amx and seq.query_len >= AMX_SDPA_MIN_ROWS
+        ):
             return super()._prefill(q, k, v, kv_cache, seq, scale)
         out = self.kernels.paged_prefill_attention(
             q.float().contiguous(),

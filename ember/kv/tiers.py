@@ -472,10 +472,38 @@ class TieredStore:
             self._loaded([block_id for _, block_id in blocks])
         return len(blocks) * self.block_bytes
 
+    def _rows_from_host(self, blocks, rows: torch.Tensor) -> int:
+        """The leading blocks that host memory holds, copied into their rows on the device
+        all at once (waited for under the tier's lock, so no slot changes meanwhile);
+        how many."""
+        keys = [self.key(block_hash) for block_hash, _ in blocks]
+        for key in keys:
+            self._wait_fetch(key)
+        start, count = time.perf_counter(), 0
+        with self.host.lock:
+            for i, key in enumerate(keys):
+                slot = self.host.find(key)
+                if slot is None:
+                    break
+                rows[i].copy_(slot, non_blocking=True)  # pinned: DMA, in the stream's order
+                count = i + 1
+            if count and rows.device.type == "cuda":
+                torch.cuda.current_stream(rows.device).synchronize()
+        host = self.stats.host
+        host.hits += count
+        host.bytes_loaded += count * self.block_bytes
+        host.load_seconds += time.perf_counter() - start
+        return count
+
     def _read_into(self, blocks, load: TierLoad, retain: bool, rows: torch.Tensor | None):
         """Each block's bytes from the first tier that holds it, into its places in the KV
         tensors, or into its row of `rows` (a KV cache on a device)."""
+        first = 0
+        if rows is not None and self.host is not None:
+            first = self._rows_from_host(blocks, rows)
         for i, (block_hash, block_id) in enumerate(blocks):
+            if i < first:
+                continue
             key = self.key(block_hash)
             targets = list(chunks(self.kv_caches, [block_id])) if rows is None else rows[i]
             start = time.perf_counter()

@@ -193,6 +193,20 @@ SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batc
 BF16_MIN_ROWS = 16
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Intel Sapphire Rapids and later)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return probe() if probe is not None else "amx_bf16" in _cpu_flags()
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16); elsewhere oneDNN
     emulates bf16, slower than fp32."""
@@ -200,12 +214,7 @@ def cpu_has_bf16() -> bool:
     found = [getattr(torch.cpu, name, None) for name in probes]
     if all(probe is not None for probe in found):
         return any(probe() for probe in found)
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
