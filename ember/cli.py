@@ -512,6 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare = bench_sub.add_parser("compare", help="runs side by side, with ratios")
     commands.add_compare_args(compare)
     compare.set_defaults(func=commands.run_compare)
+
+    plan = sub.add_parser(
+        "plan",
+        help="how many prefill and decode workers a trace needs to meet TTFT/ITL targets",
+    )
+    from ember.plan.command import add_plan_args
+
+    add_plan_args(plan)
     return parser
 
 

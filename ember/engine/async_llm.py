@@ -120,6 +120,12 @@ class AsyncLLM:
         config = core.config
         self.role = config.kv_role
         self.block_size = config.block_size
+        # how a step is shaped, for /load (`ember plan profile` reads them)
+        self.step_limits = {
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_step_ms": config.max_step_ms,
+            "min_prefill_tokens": config.min_prefill_tokens,
+        }
         # the ranks a model's experts are split over (expert parallel), for /metrics
         self.expert_ranks = config.tensor_parallel_size if config.expert_parallel else 1
         self.parallel = {  # how the model is split over ranks, for /load

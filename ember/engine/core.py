@@ -440,6 +440,7 @@ class EngineCore:
             num_queued_prefill_tokens=queued,
             kv_blocks_used=self.kv_cache.num_blocks - self.kv_cache.num_free_blocks,
             kv_blocks_total=self.kv_cache.num_blocks,
+            kv_block_bytes=self.runner.kv_block_bytes,
             prefix_cache_queries=self.kv_cache.stats.queries,
             prefix_cache_hits=self.kv_cache.stats.hits,
             num_sequences_received=self.num_sequences_received,

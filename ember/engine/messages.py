@@ -105,6 +105,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     expert_tokens: list[tuple[int, list[int]]] | None = None
     # speculative decoding, when on: SpecStats.as_dict() (drafts, accepted, per position)
     spec_decode: dict[str, Any] | None = None
+    kv_block_bytes: int = 0  # one block over every layer (what a transfer moves a block)
 
 
 class RequestError(msgspec.Struct):
