@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,6 +46,8 @@ logger = logging.getLogger("ember.kv")
 MAX_PENDING_WRITE_BYTES = 256 << 20
 # a load waits at most this long for a prefetch already reading its block
 PREFETCH_WAIT_S = 5.0
+# a KV cache on a device: blocks move through rows on it of at most this many bytes at once
+MAX_ROW_BYTES = 256 << 20
 
 
 class StoreMiss(Exception):
@@ -413,9 +415,19 @@ class TieredStore:
         background. `retain`: an agent session's blocks, evicted last (host memory, the
         store's soft pin) and kept on disk for the session TTL."""
         blocks = list(blocks)
-        rows = None  # on a device: every block's bytes, gathered in one go
-        if self.device_blocks is not None and blocks:
-            rows = self.device_blocks.gather([block_id for _, block_id in blocks])
+        if self.device_blocks is None:
+            self._save(blocks, None, retain)
+            return
+        for group in self._groups(blocks):  # on a device: a group's bytes gathered at once
+            self._save(group, self.device_blocks.gather([b for _, b in group]), retain)
+
+    def _groups(self, blocks: list) -> Iterator[list]:
+        """`blocks` in groups whose rows on the device stay within MAX_ROW_BYTES."""
+        size = max(1, MAX_ROW_BYTES // self.block_bytes)
+        for start in range(0, len(blocks), size):
+            yield blocks[start : start + size]
+
+    def _save(self, blocks: list, rows: torch.Tensor | None, retain: bool) -> None:
         for i, (block_hash, block_id) in enumerate(blocks):
             key = self.key(block_hash)
             on_disk = self.disk is not None and key in self.disk
@@ -462,12 +474,13 @@ class TieredStore:
         device = self.device_blocks
         if device is None:
             self._read_into(blocks, load, retain, None)
-        else:  # each block into a row on the device, then every row into its block at once
+        else:  # each block into a row on the device, then a group's rows into its blocks
             with device.stream():
-                rows = device.rows(len(blocks))
-                self._read_into(blocks, load, retain, rows)
-                ids = [block_id for _, block_id in blocks]
-                load.commit(lambda: device.scatter(ids, rows))
+                for group in self._groups(blocks):
+                    rows = device.rows(len(group))
+                    self._read_into(group, load, retain, rows)
+                    ids = [block_id for _, block_id in group]
+                    load.commit(lambda ids=ids, rows=rows: device.scatter(ids, rows))
         if self._loaded is not None:
             self._loaded([block_id for _, block_id in blocks])
         return len(blocks) * self.block_bytes
