@@ -203,7 +203,7 @@ def tiny_worker(tiny_checkpoint):
 
 
 PROBES = ["--lengths", "16", "48", "96", "--batches", "1", "2", "4", "--contexts", "32",
-          "--decode-tokens", "8", "--repeats", "1", "--no-progress"]  # fmt: skip
+          "--decode-tokens", "32", "--repeats", "1", "--no-progress"]  # fmt: skip
 
 
 def test_profile_a_running_worker_and_plan_from_it(tiny_worker, tmp_path, capsys):
@@ -211,7 +211,7 @@ def test_profile_a_running_worker_and_plan_from_it(tiny_worker, tmp_path, capsys
     assert main(["plan", "profile", "--url", tiny_worker.url, "--out", str(out), *PROBES]) == 0
     profile = WorkerProfile.load(out)
     assert [row[0] for row in profile.prefill] == [16, 48, 96]
-    assert [row[:2] for row in profile.decode] == [[1, 36], [2, 36], [4, 36]]
+    assert [row[:2] for row in profile.decode] == [[1, 48], [2, 48], [4, 48]]
     assert all(row[-1] > 0 for row in profile.prefill + profile.decode)
     assert all(c >= 0 for part in profile.coefficients.values() for c in part)
     # the tiny llama: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes

@@ -5,9 +5,10 @@ Two sweeps against an idle worker, through `/v1/completions` with token-id promp
 every prompt has exactly the tokens asked for, and random ids keep the prefix cache out):
 - prefill: lone prompts of each length in `lengths`, `max_tokens` 1, timed to the answer
   (TTFT with the HTTP round trip), `repeats` each, the median kept;
-- decode: `batch` streams at once, each a fresh prompt of `context` tokens and
-  `decode_tokens` new ones; the gaps between streamed tokens once every stream has its
-  first token (every sequence decoding, no prefill in the steps), the median kept.
+- decode: `batch` fresh prompts of `context` tokens, each sent once for one token (so
+  their KV is in the prefix cache), then streamed at once for `decode_tokens` new ones;
+  the gaps between streamed tokens while every stream is decoding (from the last
+  stream's first token to the first stream's last), the median kept.
 
 Fitted by least squares with coefficients >= 0:
     prefill_ms(n, c) = base + per_token * n + per_kpair * n * (c + n / 2) / 1000
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import platform
 import random
@@ -166,26 +166,39 @@ class Prober:
         return elapsed
 
     async def decode_gap_ms(self, batch: int, context: int, new_tokens: int) -> float:
+        """The median gap between tokens while all `batch` streams decode. Their prompts
+        are sent once first (one token each), so that the streams find them in the
+        prefix cache and start decoding together rather than one prefill at a time."""
+        prompts = [self.prompt(context) for _ in range(batch)]
+        for reply in await asyncio.gather(*(self._complete(p) for p in prompts)):
+            _check(reply)
         streams = await asyncio.gather(
-            *(self._stream(context, new_tokens) for _ in range(batch))
+            *(self._stream(p, new_tokens) for p in prompts)
         )  # each: the times its tokens came
-        firsts = [times[0] for times in streams if times]
-        everyone_decoding = max(firsts) if len(firsts) == batch else math.inf
+        if not all(streams):
+            raise ValueError(
+                f"decode probe: a stream of {batch} gave no token; raise --decode-tokens"
+            )
+        start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
         gaps = [
             (b - a) * 1e3
             for times in streams
             for a, b in zip(times, times[1:], strict=False)
-            if a >= everyone_decoding
+            if a >= start and b <= end
         ]
         if not gaps:
             raise ValueError(
-                f"decode probe: no token came once all {batch} streams of {context} tokens "
-                f"were decoding; raise --decode-tokens"
+                f"decode probe: no two tokens came while all {batch} streams of {context} "
+                f"tokens were decoding; raise --decode-tokens"
             )
         return statistics.median(gaps)
 
-    async def _stream(self, context: int, new_tokens: int) -> list[float]:
-        body = {"model": self.model, "prompt": self.prompt(context), "max_tokens": new_tokens,
+    async def _complete(self, prompt: list[int]):
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+        return await self.client.post("/v1/completions", json=body)
+
+    async def _stream(self, prompt: list[int], new_tokens: int) -> list[float]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": new_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
         times = []
         async with self.client.stream("POST", "/v1/completions", json=body) as reply:
@@ -195,7 +208,9 @@ class Prober:
             async for line in reply.aiter_lines():
                 if line.startswith("data:") and line != "data: [DONE]":
                     event = json.loads(line[5:])
-                    if event.get("choices") and event["choices"][0].get("text"):
+                    choice = (event.get("choices") or [{}])[0]
+                    # a token (its text may be held back), not a bare finish
+                    if choice and (choice.get("text") or not choice.get("finish_reason")):
                         times.append(time.perf_counter())
         return times
 
