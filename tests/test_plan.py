@@ -13,12 +13,11 @@ import pytest
 from ember.cli import main
 from ember.plan.demand import Demand, Request, from_bench, from_mooncake, load_trace
 from ember.plan.model import (
-    erlang_c,
     parse_slo,
     plan,
     predict_disaggregated,
     predict_mixed,
-    queue_wait_ms,
+    replay_queue,
 )
 from ember.plan.profile import WorkerProfile, measure, nonneg_lstsq
 from server_utils import EmberServer
@@ -61,58 +60,64 @@ def test_the_fit_recovers_the_costs_and_never_goes_negative():
     assert coef.tolist() == pytest.approx([4.0, 0.0])
 
 
-def test_erlang_c_and_the_wait_of_known_queues():
-    assert erlang_c(1, 0.3) == pytest.approx(0.3)  # M/M/1: the chance to wait is rho
-    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # M/M/2 at half load
-    assert erlang_c(2, 2.5) == 1.0
-    # M/M/1, mu = 1/100 per ms, lam = 1/200: mean wait rho / (mu - lam) = 100 ms
-    service = [50.0, 150.0] * 50  # mean 100, cv^2 = 0.25: the wait x (1 + 0.25) / 2
-    mean, _ = queue_wait_ms(1 / 200, service, 1)
-    assert mean == pytest.approx(0.5 * 100 / 0.5 * 0.625)
-    assert queue_wait_ms(1 / 50, service, 1) == (math.inf, math.inf)
+def test_the_replayed_queue_serves_first_come_first_and_on_the_server_free_first():
+    assert replay_queue([0, 0, 0], [100, 100, 100], 1) == [0, 100, 200]
+    assert replay_queue([0, 0, 0], [100, 100, 100], 2) == [0, 0, 100]
+    # out of order in the list: waits come back in the list's order
+    assert replay_queue([50, 0, 120], [100, 100, 10], 1) == [50, 0, 80]
+    assert replay_queue([0, 10, 20], [30, 5, 5], 2) == [0, 0, 0]
 
 
 def test_disaggregated_arithmetic_worked_by_hand():
-    """One prompt a second, 200 new tokens, 50 out: 1 prefill + 1 decode worker."""
-    p = predict_disaggregated(exact_profile(), steady(), prefill=1, decode=1)
+    """A burst of two prompts, then one every 10 s: 200 new tokens, 50 out each, on 1
+    prefill + 1 decode worker."""
+    demand = Demand(tuple(Request(t, 200, 200, 50) for t in (0, 0, 10, 20)))
+    p = predict_disaggregated(exact_profile(), demand, prefill=1, decode=1)
     service = 20 + 200 + 0.01 * 200 * 100 / 1000  # 220.2 ms, the same for every prompt
-    rho = service / 1000
-    given_wait = service / (1 - rho) / 2  # cv = 0: (1 + 0) / 2
-    wait, wait_p90 = rho * given_wait, given_wait * math.log(rho / 0.1)
+    waits = [0, service, 0, 0]  # the second of the burst waits for the first
     per_seq = 2 + 0.5 * (200 + 25) / 1000  # per_row + per_krow x mean context while decoding
-    tokens_per_ms = 50 / 1000
+    tokens_per_ms = 3 / 20 / 1000 * 50  # 3 gaps in 20 s, 50 tokens each
     running = tokens_per_ms * 30 / (1 - tokens_per_ms * per_seq)  # Little: N = r d(N)
     itl = 30 + per_seq * running
-    itl_p90 = 30 + per_seq * (running + 1.2816 * math.sqrt(running))
     assert p.running_per_worker == pytest.approx(running)
     assert p.itl_ms == pytest.approx(itl)
-    assert p.itl_p90_ms == pytest.approx(itl_p90, rel=1e-4)
-    assert p.ttft_ms == pytest.approx(wait + service + itl)
-    assert p.ttft_p90_ms == pytest.approx(wait_p90 + service + itl_p90, rel=1e-4)
-    assert p.utilization["prefill"] == pytest.approx(rho)
+    assert p.itl_p90_ms == pytest.approx(30 + per_seq * (running + 1.2816 * math.sqrt(running)))
+    assert p.ttft_ms == pytest.approx(sum(waits) / 4 + service + itl)
+    assert p.ttft_p90_ms == pytest.approx(service + service + itl)  # the burst's second
+    assert p.utilization["prefill"] == pytest.approx(3 / 20 / 1000 * service)
     assert p.utilization["decode"] == pytest.approx(tokens_per_ms * per_seq)
+    # two prefill workers take the burst at once
+    two = predict_disaggregated(exact_profile(), demand, prefill=2, decode=1)
+    assert two.ttft_p90_ms == pytest.approx(service + itl)
     # the hand-off: 1 MB a token at 2 GB/s is 0.5 ms a token, 100 ms for 200 tokens
-    with_kv = predict_disaggregated(exact_profile(kv_bytes_per_token=1_000_000), steady(), 1, 1)
+    with_kv = predict_disaggregated(exact_profile(kv_bytes_per_token=1_000_000), demand, 1, 1)
     assert with_kv.ttft_ms - p.ttft_ms == pytest.approx(100.0)
 
 
 def test_mixed_arithmetic_worked_by_hand():
-    """The same load on one mixed worker: prompts stretch its decode steps."""
-    p = predict_mixed(exact_profile(), steady(), 1)
-    work = 200 + 0.01 * 200 * 100 / 1000  # 200.2 ms a prompt past the fixed cost
-    share = work / 1000
+    """One prompt every 0.4 s on one mixed worker: prompts stretch its decode steps."""
+    demand = steady(gap=0.4)
+    p = predict_mixed(exact_profile(), demand, 1)
+    rate = 1 / 400  # a ms
+    share = rate * (200 + 0.01 * 200 * 100 / 1000)  # 200.2 ms a prompt past the fixed cost
     per_seq = 2 + 0.5 * 225 / 1000
-    running = 0.05 * 30 / ((1 - share) - 0.05 * per_seq)
+    tokens = rate * 50
+    running = tokens * 30 / ((1 - share) - tokens * per_seq)
+    step = 30 + per_seq * running  # a decode step
     assert p.running_per_worker == pytest.approx(running)
-    assert p.itl_ms == pytest.approx((30 + per_seq * running) / (1 - share))
-    step = 30 + per_seq * running  # a decode step; chunks of 512 (no budget): one chunk
+    assert p.itl_ms == pytest.approx(step / (1 - share))
+    # chunks of 512 (no step budget): a prompt is one step, which also carries the decodes
     service = 20 + 200 + 0.2 + step
-    rho = service / 1000
-    wait = rho * service / (1 - rho) / 2
-    assert p.ttft_ms == pytest.approx(wait + service + p.itl_ms)
-    # 1 prompt a second, in 1 step of ~0.23 s: over 1 step in 10 holds one, the p90 gap
-    assert p.itl_p90_ms == pytest.approx(step + 200 * 1.0)
-    assert p.itl_p90_ms > predict_disaggregated(exact_profile(), steady(), 1, 1).itl_p90_ms
+    assert service < 400  # each prompt done before the next: no wait
+    assert p.ttft_ms == pytest.approx(service + p.itl_ms)
+    # steps with a chunk: 1 in 400 ms, the rest of the time decode-only steps
+    chunk_step = step + 200
+    with_chunk = rate / (rate + (1 - rate * chunk_step) / step)
+    assert with_chunk > 0.1  # so the p90 gap is a step with a chunk
+    assert p.itl_p90_ms == pytest.approx(chunk_step)
+    sparse = predict_mixed(exact_profile(), steady(gap=3.0), 1)  # 1 step in ~90 has one
+    assert sparse.itl_p90_ms < 40
+    assert p.itl_p90_ms > predict_disaggregated(exact_profile(), demand, 1, 1).itl_p90_ms
 
 
 def test_a_step_budget_shrinks_the_mixed_workers_gaps():
@@ -134,18 +139,21 @@ def test_overload_is_unstable_and_more_workers_fix_it():
 
 
 def test_the_plan_is_the_smallest_cluster_meeting_the_slo():
-    result = plan(exact_profile(), steady(), {"ttft": 400, "itl": 40}, max_workers=4)
+    demand = steady(gap=0.4)
+    slo = {"ttft": 400, "itl": 60}
+    result = plan(exact_profile(), demand, slo, max_workers=4)
     best = result.disaggregated
-    assert (best.prefill, best.decode) == (1, 1) and best.meets({"ttft": 400, "itl": 40})
-    assert best.utilization == pytest.approx({"prefill": 0.2202, "decode": 0.105625})
-    # a mixed worker's gaps hold a 200-token prompt in 1 step of ~10 until each of 3
-    # workers sees a prompt every 3 s (then fewer than 1 step in 10 holds one)
-    assert result.mixed.workers == 3 and result.mixed.itl_p90_ms < 40
-    assert predict_mixed(exact_profile(), steady(), 2).itl_p90_ms > 200
-    assert result.best is best and best.command() == "ember up --prefill 1 --decode 1"
-    loose = plan(exact_profile(), steady(), {"ttft": 2000, "itl": 600}, max_workers=4)
+    assert (best.prefill, best.decode) == (1, 1) and best.meets(slo)
+    # a mixed worker's p90 gap is a step with a 200-token chunk until prompts are rare
+    # enough on each: 2 workers (a prompt every 0.8 s each, 1 step in ~13 with one)
+    assert predict_mixed(exact_profile(), demand, 1).itl_p90_ms > 200
+    assert result.mixed.workers == 2 and result.mixed.itl_p90_ms < 60
+    assert result.best is best  # 2 workers either way: the lower p90s
+    assert best.ttft_p90_ms + best.itl_p90_ms < result.mixed.ttft_p90_ms + result.mixed.itl_p90_ms
+    assert best.command() == "ember up --prefill 1 --decode 1"
+    loose = plan(exact_profile(), demand, {"ttft": 2000, "itl": 600}, max_workers=4)
     assert loose.best.mode == "mixed" and loose.best.workers == 1  # fewer workers win
-    assert plan(exact_profile(), steady(), {"ttft": 10}, max_workers=3).best is None
+    assert plan(exact_profile(), demand, {"ttft": 10}, max_workers=3).best is None
     assert len(result.considered) == 4 + 6  # 1-4 mixed, and every P + D <= 4
 
 

@@ -1,19 +1,19 @@
 """From a worker profile and a demand to predicted TTFT, ITL and utilisation, and the
 smallest cluster that meets the SLOs.
 
-The requests arrive at the demand's mean rate, `lam` per second, taken as Poisson; the
-router spreads them evenly over the workers of a role. Notation: for request i, `n_i`
-new (uncached) prompt tokens after `c_i` cached ones, `o_i` output tokens; E[.] the mean
-over the trace.
+Notation: for request i, `n_i` new (uncached) prompt tokens after `c_i` cached ones,
+`o_i` output tokens; `lam` the trace's mean rate; E[.] the mean over the trace.
+
+Prompts wait their turn: the trace's own requests, at their own arrival times, go through
+the workers that compute prompts, first come first served, each to the worker that is
+free first (as a router balancing by work in flight sends it): `replay_queue`. Bursts
+and long prompts in the trace queue as they would; a request's TTFT is its wait, its
+prefill and what follows; the mean and 90th percentile are taken over the requests.
 
 Disaggregated, P prefill and D decode workers:
-- a prefill worker runs prompts one after another: service S_i = prefill_ms(n_i, c_i),
-  so P servers of an M/G/P queue. Waiting time by Allen-Cunneen: the Erlang-C chance
-  C of waiting at all, times E[S] / (P - a) (a = lam E[S], the busy servers), times
-  (1 + cv^2) / 2 (cv: S's coefficient of variation); its 90th percentile from the same
-  exponential tail: E[W | wait] ln(C / 0.1), 0 when C <= 0.1;
+- a prefill worker's service: S_i = prefill_ms(n_i, c_i), replayed over P workers;
 - the KV hand-off: prompt tokens x kv_bytes_per_token at `kv_gbps`;
-- TTFT = wait + S + hand-off + one decode step, mean and p90 (S's own p90 over the trace);
+- TTFT_i = wait_i + S_i + hand-off_i + one decode step;
 - a decode worker takes r = lam E[o] / D tokens per ms and holds N sequences whose
   steps last d(N) = base + N k (k = per_row + per_krow x the mean context while
   decoding, c + n + o / 2). Little's law, N = r d(N), gives N = r base / (1 - r k),
@@ -23,16 +23,18 @@ Disaggregated, P prefill and D decode workers:
 Mixed, M workers, each doing both in the same steps (chunked prefill): a worker's
 prompts add U = lam / M x E[prefill_work] of work per ms of wall time (their share past
 a step's fixed cost), so decode steps stretch to d(N) / (1 - U) on average and N =
-r base / ((1 - U) - r k), stable while U + r k < 1 (r = lam E[o] / M). A prompt
-goes in chunks: with decodes running, a step holds up to the tokens that keep it within
+r base / ((1 - U) - r k), stable while U + r k < 1 (r = lam E[o] / M). A prompt goes in
+chunks: with decodes running, a step holds up to the tokens that keep it within
 `max_step_ms` (the step budget; 0: `max_num_batched_tokens`). A request's prefill takes
-ceil(n / chunk) such steps, each also carrying the N decodes, and waits for the
-prompts before it (one server: Allen-Cunneen with P = 1 over those times). ITL p90: the
-time of a step with a chunk (a whole one, or a mean prompt's new tokens if fewer) where
-at least 1 step in 10 holds one; else as above.
+ceil(n / chunk) such steps, each also carrying the N decodes: that is its service in the
+replay over the M workers. A decoding sequence sees every step of its worker: of those,
+the ones carrying a chunk (lam / M x E[steps] a ms) among the decode-only ones that fill
+the rest of the time; where 1 step in 10 or more carries a chunk, the p90 gap is a step
+with a chunk (a whole one, or a mean prompt's new tokens if fewer); else as above.
 
 The predictions are means and 90th percentiles of TTFT and ITL; an SLO `ttft=MS,itl=MS`
-is met by a configuration whose p90s are within it.
+is met by a configuration whose p90s are within it. Utilisation: the share of time a
+role's workers are busy.
 """
 
 from __future__ import annotations
@@ -47,30 +49,21 @@ from ember.plan.profile import WorkerProfile
 P90_Z = 1.2816  # the standard normal's 90th percentile
 
 
-def erlang_c(servers: int, offered: float) -> float:
-    """The chance that an arrival waits in an M/M/c queue with `offered` = lam / mu."""
-    if offered >= servers:
-        return 1.0
-    term, total = 1.0, 1.0  # offered^k / k!, summed for k < servers
-    for k in range(1, servers):
-        term *= offered / k
-        total += term
-    last = term * offered / servers / (1 - offered / servers)
-    return last / (total + last)
-
-
-def queue_wait_ms(rate_per_ms: float, service: list[float], servers: int) -> tuple[float, float]:
-    """(mean, p90) of the wait before service in an M/G/c queue (Allen-Cunneen); inf when
-    the servers cannot keep up."""
-    mean_s = statistics.fmean(service)
-    offered = rate_per_ms * mean_s
-    if offered >= servers:
-        return math.inf, math.inf
-    cv2 = statistics.pvariance(service) / mean_s**2 if mean_s > 0 else 0.0
-    waits = erlang_c(servers, offered)
-    given_wait = mean_s / (servers - offered) * (1 + cv2) / 2  # the mean wait of those who wait
-    p90 = given_wait * math.log(waits / 0.1) if waits > 0.1 else 0.0
-    return waits * given_wait, p90
+def replay_queue(arrivals: list[float], service: list[float], servers: int) -> list[float]:
+    """Each request's wait (ms) before a server takes it: requests in arrival order, first
+    come first served, each to the server free first."""
+    free = [0.0] * servers  # when each server is next free, ms
+    waits = []
+    for arrival, work in sorted(zip(arrivals, service, strict=True), key=lambda x: x[0]):
+        server = min(range(servers), key=free.__getitem__)
+        start = max(arrival, free[server])
+        waits.append(start - arrival)
+        free[server] = start + work
+    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
+    out = [0.0] * len(arrivals)
+    for rank, index in enumerate(order):
+        out[index] = waits[rank]
+    return out
 
 
 def p90(values: list[float]) -> float:
@@ -141,16 +134,24 @@ def _per_seq_ms(profile: WorkerProfile, context: float) -> float:
     return per_row + per_krow * context / 1000
 
 
+def _prompt_waits(demand: Demand, service: list[float], servers: int) -> list[float]:
+    """Each request's wait for a worker to take its prompt (`replay_queue`); inf for all
+    where the workers cannot keep up with the trace's mean rate."""
+    if demand.rate / 1000 * statistics.fmean(service) >= servers:
+        return [math.inf] * len(service)
+    return replay_queue([r.arrival * 1000 for r in demand.requests], service, servers)
+
+
 def predict_disaggregated(
     profile: WorkerProfile, demand: Demand, prefill: int, decode: int, kv_gbps: float = 2.0
 ) -> Prediction:
     rate = demand.rate / 1000  # per ms
     service = [profile.prefill_ms(r.new_tokens, r.prompt_tokens - r.new_tokens)
                for r in demand.requests]  # fmt: skip
-    wait, wait_p90 = queue_wait_ms(rate, service, prefill)
     handoff = [
         r.prompt_tokens * profile.kv_bytes_per_token / (kv_gbps * 1e6) for r in demand.requests
     ]  # fmt: skip  (bytes / (GB/s) in ms)
+    waits = _prompt_waits(demand, service, prefill)
     context = _decode_context(demand)
     base = profile.coefficients["decode"][0]
     tokens_rate = rate * demand.mean("output_tokens") / decode
@@ -160,10 +161,9 @@ def predict_disaggregated(
     else:
         running, itl = state
         itl_p90 = profile.decode_ms(running + P90_Z * math.sqrt(running), context)
-    mean_ttft = wait + statistics.fmean(service) + statistics.fmean(handoff) + itl
-    ttft_p90 = wait_p90 + p90([s + h for s, h in zip(service, handoff, strict=True)]) + itl_p90
+    ttft = [w + s + h + itl for w, s, h in zip(waits, service, handoff, strict=True)]
     return Prediction(
-        "disaggregated", prefill, decode, 0, mean_ttft, ttft_p90, itl, itl_p90,
+        "disaggregated", prefill, decode, 0, statistics.fmean(ttft), p90(ttft), itl, itl_p90,
         {"prefill": rate * statistics.fmean(service) / prefill,
          "decode": tokens_rate * _per_seq_ms(profile, context) if state else 1.0},
         running,
@@ -199,14 +199,17 @@ def predict_mixed(profile: WorkerProfile, demand: Demand, workers: int) -> Predi
         profile.prefill_ms(r.new_tokens, r.prompt_tokens - r.new_tokens) + k * decode_step
         for r, k in zip(demand.requests, steps, strict=True)
     ]
-    wait, wait_p90 = queue_wait_ms(rate, service, 1)
-    chunk_share = rate * statistics.fmean(steps) * chunk_step  # of wall time, in chunk steps
+    waits = _prompt_waits(demand, service, workers)
+    ttft = [w + s + itl for w, s in zip(waits, service, strict=True)]
+    # of the steps a decoding sequence sees, those that carry a chunk
+    chunk_steps = rate * statistics.fmean(steps)  # a ms
+    other_steps = max(1 - chunk_steps * chunk_step, 0.0) / decode_step
     itl_p90 = profile.decode_ms(running + P90_Z * math.sqrt(running), context)
-    if chunk_share >= 0.1:
+    if chunk_steps >= 0.1 * (chunk_steps + other_steps):
         itl_p90 = max(itl_p90, chunk_step)
     return Prediction(
-        "mixed", 0, 0, workers, wait + statistics.fmean(service) + itl,
-        wait_p90 + p90(service) + itl_p90, itl, itl_p90, utilization, running,
+        "mixed", 0, 0, workers, statistics.fmean(ttft), p90(ttft), itl, itl_p90, utilization,
+        running,
     )  # fmt: skip
 
 
