@@ -95,7 +95,7 @@ def from_mooncake(
 ) -> Demand:
     scale = block_tokens / 512
     output_scale = scale if output_scale is None else output_scale
-    seen: set[tuple[int, ...]] = set()  # every leading run of blocks served so far
+    seen: set[int] = set()  # every leading run of blocks served so far, by chained hash
     if not records:
         raise ValueError("the trace has no requests")
     t0 = records[0]["timestamp"]
@@ -103,11 +103,12 @@ def from_mooncake(
     for record in records:
         ids = record["hash_ids"]
         prompt = min(max(round(record["input_length"] * scale), 1), len(ids) * block_tokens)
-        hit = 0
-        while hit < len(ids) and tuple(ids[: hit + 1]) in seen:
-            hit += 1
-        for i in range(len(ids)):
-            seen.add(tuple(ids[: i + 1]))
+        hit, chain = 0, 0
+        for i, hash_id in enumerate(ids):
+            chain = hash((chain, hash_id))  # stands for the run of blocks up to this one
+            if hit == i and chain in seen:  # the leading blocks seen so far
+                hit += 1
+            seen.add(chain)
         cached = min(hit * block_tokens, prompt - 1)  # the last token is always computed
         output = max(round(record["output_length"] * output_scale), 1)
         arrival = (record["timestamp"] - t0) / 1000 * time_scale
