@@ -157,6 +157,15 @@ def test_the_plan_is_the_smallest_cluster_meeting_the_slo():
     assert len(result.considered) == 4 + 6  # 1-4 mixed, and every P + D <= 4
 
 
+def test_a_profile_whose_idle_decode_step_costs_nothing_still_plans():
+    """A fit may put a decode step's fixed cost at 0 (a tiny model, noisy gaps): at no
+    load a step then costs nothing, and the plan must still come out finite."""
+    free = exact_profile(decode=[[b, c, 2.0 * b] for b in (1, 4, 16) for c in (100, 1000)])
+    assert free.coefficients["decode"][0] == pytest.approx(0, abs=1e-9)
+    for prediction in plan(free, steady(gap=1.0), {"ttft": 1e6}, max_workers=2).considered:
+        assert prediction.stable and prediction.itl_p90_ms >= 0
+
+
 def test_slo_parsing():
     assert parse_slo("ttft=500, itl=50") == {"ttft": 500.0, "itl": 50.0}
     for bad in ("tpot=5", "ttft", "ttft=x", "ttft=0", ""):

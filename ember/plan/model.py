@@ -203,7 +203,8 @@ def predict_mixed(profile: WorkerProfile, demand: Demand, workers: int) -> Predi
     ttft = [w + s + itl for w, s in zip(waits, service, strict=True)]
     # of the steps a decoding sequence sees, those that carry a chunk
     chunk_steps = rate * statistics.fmean(steps)  # a ms
-    other_steps = max(1 - chunk_steps * chunk_step, 0.0) / decode_step
+    # (a fit may find decode steps free at no load: then they fill the time)
+    other_steps = max(1 - chunk_steps * chunk_step, 0.0) / max(decode_step, 1e-9)
     itl_p90 = profile.decode_ms(running + P90_Z * math.sqrt(running), context)
     if chunk_steps >= 0.1 * (chunk_steps + other_steps):
         itl_p90 = max(itl_p90, chunk_step)
