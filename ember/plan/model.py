@@ -39,6 +39,7 @@ role's workers are busy.
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from dataclasses import asdict, dataclass
@@ -52,13 +53,13 @@ P90_Z = 1.2816  # the standard normal's 90th percentile
 def replay_queue(arrivals: list[float], service: list[float], servers: int) -> list[float]:
     """Each request's wait (ms) before a server takes it: requests in arrival order, first
     come first served, each to the server free first."""
-    free = [0.0] * servers  # when each server is next free, ms
+    free = [(0.0, server) for server in range(servers)]  # (next free at, ms; server)
     waits = []
     for arrival, work in sorted(zip(arrivals, service, strict=True), key=lambda x: x[0]):
-        server = min(range(servers), key=free.__getitem__)
-        start = max(arrival, free[server])
+        at, server = heapq.heappop(free)
+        start = max(arrival, at)
         waits.append(start - arrival)
-        free[server] = start + work
+        heapq.heappush(free, (start + work, server))
     order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
     out = [0.0] * len(arrivals)
     for rank, index in enumerate(order):
