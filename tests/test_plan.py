@@ -245,9 +245,11 @@ def test_profile_a_running_worker_and_plan_from_it(tiny_worker, tmp_path, capsys
             "--slo", "ttft=60000,itl=60000", "--max-workers", "3", "--json", str(plan_json)]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "recommended: ember up --mixed 1" in printed
+    # the worker ran with --max-step-ms 0: so must the recommended ones
+    assert "recommended: ember up --mixed 1 --max-step-ms 0" in printed
     saved = json.loads(plan_json.read_text())
     assert saved["recommended"]["command"] == "ember up --mixed 1"
+    assert saved["engine_flags"] == ["--max-step-ms", "0"]
     assert saved["demand"]["mean_prompt_tokens"] == 64 and saved["demand"]["requests"] == 20
     assert len(saved["considered"]) == 3 + 3
     assert main([*args[:-6], "--slo", "ttft=0.001", "--max-workers", "2"]) == 1

@@ -139,7 +139,8 @@ def plan_json(profile, demand, slo, result) -> dict:
         "profile": {"model": profile.model, "machine": profile.machine,
                     "coefficients": profile.coefficients},
         "demand": demand.summary(), "slo_ms": slo,
-        "recommended": one(result.best), "disaggregated": one(result.disaggregated),
+        "recommended": one(result.best), "engine_flags": engine_flags(profile),
+        "disaggregated": one(result.disaggregated),
         "mixed": one(result.mixed),
         "considered": [p.as_dict() for p in result.considered],
     }  # fmt: skip
@@ -174,4 +175,15 @@ def print_plan(profile, demand, slo, result) -> None:
                "disaggregation does not pay here")  # fmt: skip
     if other is not None and other.workers == best.workers:
         verdict += " (the same number of workers either way; the lower p90s decide)"
-    print(f"recommended: {best.command()}   ({verdict})")
+    print(f"recommended: {' '.join([best.command(), *engine_flags(profile)])}   ({verdict})")
+
+
+def engine_flags(profile) -> list[str]:
+    """The profiled worker's step limits, where they are not the defaults: the predictions
+    hold for workers run with them."""
+    flags = []
+    if profile.max_num_batched_tokens != 512:
+        flags += ["--max-num-batched-tokens", str(profile.max_num_batched_tokens)]
+    if profile.max_step_ms != 100.0:
+        flags += ["--max-step-ms", f"{profile.max_step_ms:g}"]
+    return flags
