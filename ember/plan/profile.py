@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ember import envs
 from ember.plan import DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_LENGTHS
 
 # token ids of the probes' prompts: in every vocabulary of 512 tokens or more, past the
@@ -321,7 +322,8 @@ def profile_here(
                 raise ValueError("ember serve did not come up within 600 s")
             time.sleep(0.5)
         host = f"{machine().rsplit(',', 1)[0]}, {len(use)} cores"
-        return asyncio.run(measure(url, host=host, **options))
+        # the worker asks for $EMBER_API_KEY where it is set, as `ember serve` does
+        return asyncio.run(measure(url, api_key=envs.api_key(), host=host, **options))
     finally:
         server.terminate()
         try:
