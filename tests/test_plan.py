@@ -225,8 +225,10 @@ PROBES = ["--lengths", "16", "48", "96", "--batches", "1", "2", "4", "--contexts
 
 def test_profile_a_running_worker_and_plan_from_it(tiny_worker, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    assert main(["plan", "profile", "--url", tiny_worker.url, "--out", str(out), *PROBES]) == 0
+    args = ["plan", "profile", "--url", tiny_worker.url, "--out", str(out), *PROBES]
+    assert main([*args, "--machine", "a test box"]) == 0
     profile = WorkerProfile.load(out)
+    assert profile.machine == "a test box" and profile.source == tiny_worker.url
     assert [row[0] for row in profile.prefill] == [16, 48, 96]
     assert [row[:2] for row in profile.decode] == [[1, 48], [2, 48], [4, 48]]
     assert all(row[-1] > 0 for row in profile.prefill + profile.decode)

@@ -46,6 +46,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     _profile_args(prof, model_flag=False)
     prof.add_argument("--url", default=None, help="a running worker (default: start one here)")
     prof.add_argument("--api-key", default=None, help="default: $EMBER_API_KEY")
+    prof.add_argument("--machine", default=None,
+                      help="with --url: what the worker runs on (its CPU or GPU), for the record")  # fmt: skip
     prof.add_argument("--out", default=None, help="write the profile here (default: stdout)")
     prof.set_defaults(func=run_profile)
 
@@ -93,8 +95,12 @@ def run_profile(args) -> int:
             raise ValueError("--url profiles a running worker: MODEL, --cores and "
                              "--serve-args are for one started here")  # fmt: skip
         key = args.api_key or envs.api_key()
-        profile = asyncio.run(measure(args.url, api_key=key, **_probe_options(args)))
+        options = _probe_options(args)
+        profile = asyncio.run(measure(args.url, api_key=key, host=args.machine, **options))
     else:
+        if args.machine:
+            raise ValueError("--machine names a worker at --url; one started here is "
+                             "described by itself")  # fmt: skip
         profile = _profile_here(args, args.model)
     if args.out:
         Path(args.out).write_text(profile.to_json())

@@ -66,7 +66,9 @@ def pairs(new: float, context: float) -> float:
 @dataclass
 class WorkerProfile:
     model: str
-    machine: str  # the CPU (and its ISA) or the GPU, as the worker's host reported it
+    # the worker's host: its CPU (and vector units) or GPU where `ember plan profile`
+    # started the worker itself; what `--machine` says of a worker at --url
+    machine: str
     prefill: list[list[float]]  # [new tokens, context tokens, ms] of lone prompts
     decode: list[list[float]]  # [batch, context tokens, ms per token]
     kv_bytes_per_token: int = 0  # what a prefill worker hands over per prompt token
@@ -271,7 +273,7 @@ async def measure(
     limits = load.get("step_limits") or {}
     return WorkerProfile(
         model=prober.model,
-        machine=host or machine(),
+        machine=host or f"not given (a worker at {url})",
         prefill=prefill,
         decode=decode,
         kv_bytes_per_token=int(load.get("kv_bytes_per_token") or 0),
