@@ -90,7 +90,7 @@ class Experts(nn.Module):
     CUDA where the weights' rows are not 16-byte aligned, as torch's kernel asks) a loop
     runs each expert's matmuls once over its tokens; `mode` forces either.
 
-    On CPU an expert's matmul over its few rows of a decode step (CPU, fp32 weights) reads the
+    On CPU an expert's matmul over its few rows of a decode step (fp32 weights) reads the
     GGUF file's blocks of its weights where the file had them in a block format
     (`load_blocks`: ember's block GEMM, bit-identical to the fp32 weights, 4-7x fewer
     bytes), else streams the weights once through ember's small GEMM.

@@ -156,7 +156,8 @@ def predict_disaggregated(
     context = _decode_context(demand)
     base = profile.coefficients["decode"][0]
     tokens_rate = rate * demand.mean("output_tokens") / decode
-    state = _decode_state(tokens_rate, base, _per_seq_ms(profile, context))
+    per_seq = _per_seq_ms(profile, context)
+    state = _decode_state(tokens_rate, base, per_seq)
     if state is None:
         running, itl, itl_p90 = math.inf, math.inf, math.inf
     else:
@@ -166,7 +167,7 @@ def predict_disaggregated(
     return Prediction(
         "disaggregated", prefill, decode, 0, statistics.fmean(ttft), p90(ttft), itl, itl_p90,
         {"prefill": rate * statistics.fmean(service) / prefill,
-         "decode": tokens_rate * _per_seq_ms(profile, context) if state else 1.0},
+         "decode": tokens_rate * per_seq if state else 1.0},
         running,
     )  # fmt: skip
 
@@ -215,6 +216,11 @@ def predict_mixed(profile: WorkerProfile, demand: Demand, workers: int) -> Predi
     )  # fmt: skip
 
 
+def _smaller(prediction: Prediction) -> tuple[int, float]:
+    """Fewest workers first; then the lower TTFT p90 + ITL p90 (no unit dominates)."""
+    return prediction.workers, prediction.ttft_p90_ms + prediction.itl_p90_ms
+
+
 @dataclass(frozen=True)
 class Plan:
     disaggregated: Prediction | None  # the smallest meeting the SLO (None: none up to max)
@@ -226,8 +232,7 @@ class Plan:
         options = [p for p in (self.disaggregated, self.mixed) if p is not None]
         if not options:
             return None
-        # fewest workers; then the lower TTFT p90 + ITL p90 (no unit dominates)
-        return min(options, key=lambda p: (p.workers, p.ttft_p90_ms + p.itl_p90_ms))
+        return min(options, key=_smaller)
 
 
 def plan(
@@ -250,7 +255,7 @@ def plan(
 
     def smallest(mode: str) -> Prediction | None:
         fits = [p for p in considered if p.mode == mode and p.meets(slo)]
-        return min(fits, key=lambda p: (p.workers, p.ttft_p90_ms + p.itl_p90_ms), default=None)
+        return min(fits, key=_smaller, default=None)
 
     return Plan(smallest("disaggregated"), smallest("mixed"), considered)
 

@@ -26,8 +26,6 @@ import platform
 import random
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -294,42 +292,26 @@ def profile_here(
 ) -> WorkerProfile:
     """Starts `ember serve MODEL SERVE_ARGS` on this machine (on its first `cores` cores,
     if given, as `ember up --pin` gives each worker a share), profiles it, stops it."""
-    import httpx
+    from ember.router.up import Cluster
 
-    port = free_port()
-    command = [sys.executable, "-m", "ember.cli", "serve", *([model] if model else []),
-               "--host", "127.0.0.1", "--port", str(port), *serve_args]  # fmt: skip
     allowed = sorted(os.sched_getaffinity(0))
     if cores is not None and not 1 <= cores <= len(allowed):
         raise ValueError(f"--cores must be between 1 and {len(allowed)}, got {cores}")
     use = allowed[:cores] if cores else allowed
-
-    def pin() -> None:
-        os.sched_setaffinity(0, use)
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(len(use)))
-    server = subprocess.Popen(command, preexec_fn=pin if cores else None, env=env)
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
+    command = ["serve", *([model] if model else []), "--host", "127.0.0.1", "--port", str(port),
+               *serve_args]  # fmt: skip
+    worker = Cluster()
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                raise ValueError(f"ember serve exited with {server.returncode} before it served")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ValueError("ember serve did not come up within 600 s")
-            time.sleep(0.5)
+        env = dict(os.environ, OMP_NUM_THREADS=str(len(use)))
+        worker.start("worker", command, env, set(use) if cores else None)
+        try:
+            worker.wait_healthy([url])
+        except RuntimeError as exc:
+            raise ValueError(f"the worker to profile did not come up: {exc}") from None
         host = f"{machine().rsplit(',', 1)[0]}, {len(use)} cores"
         # the worker asks for $EMBER_API_KEY where it is set, as `ember serve` does
         return asyncio.run(measure(url, api_key=envs.api_key(), host=host, **options))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        worker.stop()
