@@ -254,6 +254,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "$EMBER_MATMUL_PRECISION: bf16 where the CPU has them, else ieee)",
     )
     parser.add_argument(
+        "--decode-activations",
+        default=d.decode_activations,
+        choices=("auto", "fp32", "int8"),
+        help="CPU decode steps on a GGUF file's blocks: fp32 (exact), int8 (activations "
+        "rounded to int8 per 32 values, integer products, as llama.cpp does) or auto (the "
+        "default: int8 unless --matmul-precision is ieee, on x86)",
+    )
+    parser.add_argument(
         "--no-gguf-blocks",
         action="store_true",
         help="decode from the fp32 weights even when a GGUF file's Q4_0 / Q4_1 / Q5_0 / "
@@ -368,6 +376,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         matmul_precision=args.matmul_precision,
         gguf_blocks=not args.no_gguf_blocks,
+        decode_activations=args.decode_activations,
         seed=args.seed,
     )
 

@@ -356,6 +356,10 @@ class EngineConfig:
     # (gguf_loader.BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as the file's blocks,
     # decoded in registers to exactly the fp32 weights (same results, 2-3x faster)
     gguf_blocks: bool = True
+    # how those block steps (up to INT8_MAX_ROWS rows) take their activations: "fp32"
+    # (exact), "int8" (each row rounded to int8 per 32 values, as llama.cpp does, and
+    # integer products) or "auto" (int8 unless matmul_precision is ieee, on the x86 builds)
+    decode_activations: str = "auto"
     seed: int = 0
     # disaggregation (the KV connector); the cluster secret comes from $EMBER_CLUSTER_SECRET
     kv_role: str = "mixed"  # mixed | prefill | decode
@@ -494,6 +498,10 @@ class EngineConfig:
         if self.matmul_precision not in envs.MATMUL_PRECISIONS:
             raise ValueError(
                 f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
+            )
+        if self.decode_activations not in ("auto", "fp32", "int8"):
+            raise ValueError(
+                f"decode_activations must be auto, fp32 or int8; got {self.decode_activations!r}"
             )
         tiers = self.kv_tiers
         if tiers and not self.enable_prefix_caching:

@@ -124,6 +124,48 @@ def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows, ker
     assert (error <= 1e-5 * (x.abs() @ w.abs().T + b.abs())).all()
 
 
+def quantized_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: each 32 values rounded (ties to even) to dx * q, dx = max
+    |x| / 127, q = x * (127 / max |x|) in fp32; the values dx * q themselves, in float64."""
+    groups = x.view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(groups * inverse)
+    assert q.abs().max() <= 127
+    return ((amax / 127).double() * q.double()).view_as(x)
+
+
+@pytest.mark.parametrize("name", HALF_FIELDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_block_gemm_int8_is_exact_on_int8_rounded_activations(name, rows, kernels):
+    """The int8 path multiplies the loaded fp32 W by x rounded to int8 per 32 values: within
+    fp32 rounding of that product in float64 (its integer sums are exact), on every code of
+    every format, and within x's rounding of the fp32 product."""
+    out_features, in_features = BLOCK_GEMM_SHAPES[block_shape(name)[0]]
+    blocks = random_blocks(name, out_features, in_features, seed=100 + rows)
+    w = dequantized(blocks, name)
+    torch.manual_seed(rows)
+    x, b = torch.randn(rows, in_features) * torch.rand(rows, 1) * 4, torch.randn(out_features)
+    x[0, :32] = 0  # a group of zeros: dx = 0
+    x[-1, 40] = 1e4  # one large value: the rest of its group rounds to 0
+    y = kernels.block_gemm_int8(x, blocks, b)
+    xq = quantized_int8(x)
+    exact = xq @ w.double().T + b.double()
+    # the kernel sums scale * code * x and min * x apart: their size, not the products',
+    # bounds its rounding; |min| is within a group's largest |w| (random codes span it)
+    spread = w.double().abs().view(out_features, -1, 32).amax(-1, keepdim=True)
+    sizes = (w.double().abs().view(out_features, -1, 32) + 2 * spread).view_as(w)
+    magnitude = xq.abs() @ sizes.T + b.double().abs()
+    assert ((y.double() - exact).abs() <= 2e-6 * magnitude).all()
+    # against exact fp32 activations: off by at most W times x's rounding (dx / 2 a value)
+    half_steps = (x.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32)
+    bound = half_steps.reshape(rows, -1).double() @ w.double().abs().T
+    assert ((y.double() - F.linear(x, w, b).double()).abs() <= bound * 1.001 + 2e-6 * magnitude).all()
+    # rows are independent: one row alone gives its result (up to the rounding above)
+    alone = kernels.block_gemm_int8(x[-1:], blocks, b).double()
+    assert ((alone - y[-1:].double()).abs() <= 4e-6 * magnitude[-1:]).all()
+
+
 def test_block_gemm_refuses_what_it_cannot_decode(kernels):
     assert kernels.block_gemm_supported(576, 960, 18)  # Q4_0
     assert not kernels.block_gemm_supported(560, 960, 18)  # in_features not whole blocks

@@ -383,7 +383,8 @@ def test_drafts_of_few_sequences_verify_on_the_blocks_as_their_decodes_run(
     write_tiny_model(path, **BLOCK_CASES["llama-k-quants"])
     prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)
-    options = dict(kv_cache_memory=1 << 24, matmul_precision="bf16")
+    # fp32 activations: int8 ones (the default under bf16) round 1-2 rows apart from more
+    options = dict(kv_cache_memory=1 << 24, matmul_precision="bf16", decode_activations="fp32")
     want = LLM(str(path), **options).generate(prompts, params)
     reference = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want, strict=True)}
     spec = LLM(str(path), **options, speculative_method="ngram", num_speculative_tokens=5)
@@ -393,6 +394,45 @@ def test_drafts_of_few_sequences_verify_on_the_blocks_as_their_decodes_run(
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
     assert spec.engine.core.stats().spec_decode["num_accepted_tokens"] > 40
+
+
+def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_activations auto rounds activations to int8 (on the x86 kernel builds) unless
+    matmul_precision is ieee; int8 and fp32 are honoured either way; anything else is
+    refused by name. Under int8 the 1-2 row steps run the int8 kernel, in the fused decode
+    layers too, and give the fp32 run's greedy tokens on this model (no near-ties)."""
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+    from ember.models.layers import INT8_MAX_ROWS, Linear
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES["llama-k-quants"])
+    x86 = kernels.isa in ("avx512", "avx2")
+    cases = [("ieee", "auto", 0), ("bf16", "auto", INT8_MAX_ROWS if x86 else 0),
+             ("ieee", "int8", INT8_MAX_ROWS), ("bf16", "fp32", 0)]  # fmt: skip
+    outputs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for precision, activations, rows in cases:
+        llm = LLM(str(path), kv_cache_memory=1 << 24, matmul_precision=precision,
+                  decode_activations=activations)  # fmt: skip
+        model = llm.engine.core.runner.model
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is not None]
+        assert linears and {m.int8_max_rows for m in linears} == {rows}
+        assert all((m.int8_gemm is not None) == bool(rows) for m in linears)
+        assert {layer.int8_max_rows for layer in model.model.fused_decode.layers} == {rows}
+        outputs[precision, activations] = [
+            o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8]], params)
+        ]
+        assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks
+    assert outputs["ieee", "int8"] == outputs["ieee", "auto"]
+    with pytest.raises(ValueError, match="decode_activations must be auto, fp32 or int8"):
+        LLM(str(path), kv_cache_memory=1 << 24, decode_activations="int4")
 
 
 # ---------------------------------------------------------------- config

@@ -96,6 +96,39 @@ def test_decode_steps_read_the_files_blocks(smollm2):
     assert model.lm_head.blocks.shape == (49152, 576 // 32, 34)  # Q8_0
 
 
+def test_int8_decode_activations_stay_with_transformers_but_at_near_ties(smollm2, reference_tokens):
+    """decode_activations int8 (the default outside ieee): batch-1 decode steps round their
+    activations to int8 per 32 values. Each chat alone (so every decode step is one row)
+    gives transformers' greedy tokens up to, at most, a position where transformers' own
+    top two logits are within 0.5; and the logprobs show int8 was used (not bit-equal to
+    fp32's) and stays within 0.15 of them."""
+    llm, reference = smollm2
+    int8 = LLM(str(resolve_model(None)), kv_cache_memory=1 << 27, max_model_len=2048,
+               decode_activations="int8")  # fmt: skip
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    qkv = int8.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.int8_max_rows > 0 and qkv.int8_gemm is not None
+    tokenizer = int8.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    for chat, (prompt, expected) in zip(CHATS, reference_tokens, strict=True):
+        got = int8.chat([chat], greedy)[0].outputs[0].token_ids
+        split = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        if split is None:
+            assert got == expected
+            continue
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt + expected[:split]])).logits[0, -1]
+        assert logits[expected[split]] - logits[got[split]] < 0.5, (chat, split)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    fp32_out = llm.chat([CHATS[1]], params)[0].outputs[0]
+    int8_out = int8.chat([CHATS[1]], params)[0].outputs[0]
+    assert int8_out.token_ids == fp32_out.token_ids
+    ours = [next(iter(step.values())) for step in int8_out.logprobs]
+    theirs = [next(iter(step.values())) for step in fp32_out.logprobs]
+    assert ours != theirs and max(abs(a - b) for a, b in zip(ours, theirs)) < 0.15
+
+
 @pytest.fixture(scope="module")
 def q4_k_m_path(tmp_path_factory):
     """The default model requantized as a Q4_K_M file would be (tests/kquant.py): only

@@ -25,6 +25,7 @@ from ember.distributed.executor import (
 )
 from ember.distributed.parallel import PipelineStage, TPGroup, building
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
+from ember.engine.kernels import cpu_kernels
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from ember.engine.sampler import Sampler
@@ -33,7 +34,13 @@ from ember.kv import buffers as kv_buffers
 from ember.kv.layout import Piece, WorkerKV
 from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
-from ember.models.layers import BF16_MIN_ROWS, Linear, can_pack_for_cpu, cpu_has_bf16
+from ember.models.layers import (
+    BF16_MIN_ROWS,
+    INT8_MAX_ROWS,
+    Linear,
+    can_pack_for_cpu,
+    cpu_has_bf16,
+)
 from ember.models.moe import SparseMoE
 
 logger = logging.getLogger("ember.engine")
@@ -158,6 +165,10 @@ class ModelRunner:
                 and self.weight_dtype == torch.float32
             ):
                 model.load_gguf_blocks(checkpoint.gguf_blocks(narrow))
+                if self._int8_activations():
+                    for module in model.modules():
+                        if isinstance(module, Linear):
+                            module.int8_max_rows = INT8_MAX_ROWS
             model.pack_for_cpu(bf16_prefill, self.weight_dtype)
             _log_block_decode(model)
             startup.mark("packed")
@@ -209,6 +220,20 @@ class ModelRunner:
             )
         logger.info("matmul_precision auto: no AMX or AVX-512 BF16 here, prefill stays exact fp32")
         return False
+
+    def _int8_activations(self) -> bool:
+        """Whether decode steps on GGUF blocks round their activations to int8
+        (decode_activations int8, or auto where matmul_precision is not ieee and the
+        kernels are an x86 build, whose integer products are faster than fp32's)."""
+        choice = self.config.decode_activations
+        if choice != "auto":
+            return choice == "int8"
+        kernels = cpu_kernels()
+        return (
+            self.config.matmul_precision != "ieee"
+            and kernels is not None
+            and kernels.isa in ("avx512", "avx2")
+        )
 
     def expert_tokens(self) -> list[tuple[int, list[int]]]:
         """(layer, tokens routed to each expert since start) for every MoE layer (summed
@@ -567,10 +592,12 @@ def _log_block_decode(model: torch.nn.Module) -> None:
         m.blocks for m in model.modules() if isinstance(m, Linear) and m.block_gemm is not None
     ]
     if blocks:
+        int8 = max(m.int8_max_rows for m in model.modules() if isinstance(m, Linear))
         logger.info(
-            "decode steps read the GGUF file's blocks for %d matmuls (%.0f MB per step)",
+            "decode steps read the GGUF file's blocks for %d matmuls (%.0f MB per step)%s",
             len(blocks),
             sum(b.numel() for b in blocks) / 1e6,
+            f", with int8 activations up to {int8} rows" if int8 else "",
         )
 
 

@@ -99,6 +99,10 @@ class Linear(nn.Module):
         # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]
         self.blocks: torch.Tensor | None = None
         self.block_gemm = None  # ember's kernel over `blocks`, when it applies
+        # up to this many rows multiply `blocks` with int8 activations (`int8_gemm`); set
+        # before pack_for_cpu, which keeps it only where the blocks are kept
+        self.int8_max_rows = 0
+        self.int8_gemm = None
         self._block_parts: dict[int, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +110,8 @@ class Linear(nn.Module):
         if self.bf16_prefill and rows >= BF16_MIN_ROWS:
             return self._packed_linear(x.to(torch.bfloat16))  # bf16 out, for the next op
         if self.block_gemm is not None and rows <= BLOCK_GEMM_MAX_ROWS:
-            return self.block_gemm(x, self.blocks, self.bias)
+            gemm = self.int8_gemm if rows <= self.int8_max_rows else self.block_gemm
+            return gemm(x, self.blocks, self.bias)
         if self.small_gemm is not None and rows <= SMALL_GEMM_MAX_ROWS:
             return self.small_gemm(x.contiguous(), self.weight, self.bias)
         if self.weight.dtype != x.dtype:  # bf16 weights under fp32 activations
@@ -178,8 +183,10 @@ class Linear(nn.Module):
             and kernels.block_gemm_supported(in_features, out_features, self.blocks.shape[2])
         ):
             self.block_gemm = kernels.block_gemm
+            self.int8_gemm = kernels.block_gemm_int8 if self.int8_max_rows else None
         else:
             self.blocks = None
+            self.int8_max_rows = 0
 
 
 PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
@@ -188,6 +195,8 @@ PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
+# decode_activations int8: the block GEMM on int8 activations up to here (measured below)
+INT8_MAX_ROWS = 2
 # bf16_prefill: from here on the bf16 packed copy runs 2.3x (16 rows) to 4x (64 rows)
 # faster than oneDNN's fp32 (SmolLM2's layer, 1 thread); fewer rows stay exact
 BF16_MIN_ROWS = 16

@@ -241,6 +241,7 @@ class FusedLayer(NamedTuple):
     blocks: list[torch.Tensor | None]  # their GGUF blocks, if any
     qkv_bias: torch.Tensor | None
     block_max_rows: int  # the most rows multiplied on the blocks
+    int8_max_rows: int  # the most rows multiplied on them with int8 activations
 
 
 class FusedDecode:
@@ -272,7 +273,10 @@ class FusedDecode:
         # over the fp32 weight (measured, Qwen2.5-1.5B Q4_K, 4 sequences of 5 rows: ~1.7x)
         block_max_rows = BLOCK_GEMM_MAX_ROWS if packed[0] is not None else 1 << 30
         blocks = [lin.blocks for lin in linears]
-        return FusedLayer(weights, packed, blocks, attn.qkv_proj.bias, block_max_rows)
+        int8_max_rows = min(lin.int8_max_rows for lin in linears)
+        return FusedLayer(
+            weights, packed, blocks, attn.qkv_proj.bias, block_max_rows, int8_max_rows
+        )
 
     def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata, capture):
         """(A pipeline stage's layers capture nothing: EAGLE-3 runs on one stage.)"""
@@ -285,7 +289,7 @@ class FusedDecode:
                 layer.qkv_bias, self.eps, *self.shape, cos, sin, kv_caches[i][0],
                 kv_caches[i][1], meta.slot_mapping, meta.decode_block_table,
                 meta.decode_context_lens, self.scale, PACKED_MIN_ROWS, layer.block_max_rows,
-                self.reduce,
+                layer.int8_max_rows, self.reduce,
             )  # fmt: skip
         capture(len(self.layers), hidden, residual)
         return hidden + residual

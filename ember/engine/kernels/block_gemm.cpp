@@ -30,6 +30,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "simd.h"
 
 namespace {
@@ -57,10 +60,22 @@ inline void nibble_halves(const uint8_t* q, vf* out, const Decode& decode) {
   }
 }
 
+// A group's weights for the int8 path (`codes`): w = scale[h] * code + min[h] for the
+// group's 16-weight half h, the codes as unsigned bytes (Q8_0: its signed bytes, min 0).
+struct Halves {
+  float scale[2], min[2];
+};
+
 struct OneGroup {  // a 32-weight block
   static constexpr int64_t kWeights = 32;
+  static constexpr bool kSigned = false;  // codes are int8 (Q8_0)
+  static constexpr bool kTwoScales = false;  // the halves' scales differ (Q6_K)
   struct Scales {};
   static inline Scales scales(const uint8_t*) { return {}; }
+  static inline void same_halves(Halves& h, float scale, float min) {
+    h.scale[0] = h.scale[1] = scale;
+    h.min[0] = h.min[1] = min;
+  }
 };
 
 struct Q4_0 : OneGroup {
@@ -68,6 +83,11 @@ struct Q4_0 : OneGroup {
   static inline void decode(const uint8_t* block, Scales, int, vf* out) {
     const vf d = simd::set1(simd::half_at(block)), eight = simd::set1(8.f);
     nibble_halves(block + 2, out, [&](vf q) { return simd::mul(d, simd::sub(q, eight)); });
+  }
+  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
+    const float d = simd::half_at(block);
+    same_halves(h, d, -8.f * d);
+    return simd::codes_nibbles(block + 2);
   }
 };
 
@@ -77,6 +97,10 @@ struct Q4_1 : OneGroup {
     const vf d = simd::set1(simd::half_at(block)), m = simd::set1(simd::half_at(block + 2));
     // d * q is exact: one rounding, fused or not
     nibble_halves(block + 4, out, [&](vf q) { return simd::fma(q, d, m); });
+  }
+  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
+    same_halves(h, simd::half_at(block), simd::half_at(block + 2));
+    return simd::codes_nibbles(block + 4);
   }
 };
 
@@ -89,12 +113,23 @@ inline vf five_bits(const uint8_t* qh, const uint8_t* qs, int c) {
   return simd::fma(simd::word_bits(high, first), simd::set1(16.f), low);  // exact
 }
 
+inline simd::vcodes five_bit_codes(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t high;
+  std::memcpy(&high, qh, sizeof(high));
+  return simd::codes_or(simd::codes_nibbles(qs), simd::codes_word_bits(high, 16));
+}
+
 struct Q5_0 : OneGroup {
   static constexpr int64_t kBytes = 22;
   static inline void decode(const uint8_t* block, Scales, int, vf* out) {
     const vf d = simd::set1(simd::half_at(block)), sixteen = simd::set1(16.f);
     for (int c = 0; c < kChunks; ++c)
       out[c] = simd::mul(d, simd::sub(five_bits(block + 2, block + 6, c), sixteen));
+  }
+  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
+    const float d = simd::half_at(block);
+    same_halves(h, d, -16.f * d);
+    return five_bit_codes(block + 2, block + 6);
   }
 };
 
@@ -104,10 +139,19 @@ struct Q5_1 : OneGroup {
     const vf d = simd::set1(simd::half_at(block)), m = simd::set1(simd::half_at(block + 2));
     for (int c = 0; c < kChunks; ++c) out[c] = simd::fma(five_bits(block + 4, block + 8, c), d, m);
   }
+  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
+    same_halves(h, simd::half_at(block), simd::half_at(block + 2));
+    return five_bit_codes(block + 4, block + 8);
+  }
 };
 
 struct Q8_0 : OneGroup {
   static constexpr int64_t kBytes = 34;
+  static constexpr bool kSigned = true;
+  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
+    same_halves(h, simd::half_at(block), 0.f);
+    return simd::codes_load(block + 2);
+  }
   static inline void decode(const uint8_t* block, Scales, int, vf* out) {
     const vf d = simd::set1(simd::half_at(block));
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
@@ -139,8 +183,17 @@ inline KScales k_scales(const uint8_t* block) {
 }
 
 // Q4_K's 128 bytes of q: groups 2i and 2i+1 are the low and high nibbles of bytes 32i..
-struct Q4_K {
-  static constexpr int64_t kBytes = 144, kWeights = 256;
+struct KQuant {
+  static constexpr int64_t kWeights = 256;
+  static constexpr bool kSigned = false, kTwoScales = false;
+  static inline void group_halves(const KScales& s, int g, Halves& h) {
+    h.scale[0] = h.scale[1] = s.scale[g];
+    h.min[0] = h.min[1] = s.minus_min[g];
+  }
+};
+
+struct Q4_K : KQuant {
+  static constexpr int64_t kBytes = 144;
   using Scales = KScales;
   static inline Scales scales(const uint8_t* block) { return k_scales(block); }
   static inline void decode(const uint8_t* block, const Scales& s, int g, vf* out) {
@@ -149,11 +202,15 @@ struct Q4_K {
     for (int c = 0; c < kChunks; ++c)  // (d * sc) * q exact: one rounding, as gguf's
       out[c] = simd::fma(simd::bits(q + c * kLanes, 4 * (g % 2), 0x0F), scale, minus_min);
   }
+  static inline simd::vcodes codes(const uint8_t* block, const Scales& s, int g, Halves& h) {
+    group_halves(s, g, h);
+    return simd::codes_bits(block + 16 + 32 * (g / 2), 4 * (g % 2), 0x0F);
+  }
 };
 
 // Q5_K: Q4_K's nibbles, with bit g of qh byte i the fifth bit of group g's weight i
-struct Q5_K {
-  static constexpr int64_t kBytes = 176, kWeights = 256;
+struct Q5_K : KQuant {
+  static constexpr int64_t kBytes = 176;
   using Scales = KScales;
   static inline Scales scales(const uint8_t* block) { return k_scales(block); }
   static inline void decode(const uint8_t* block, const Scales& s, int g, vf* out) {
@@ -165,6 +222,11 @@ struct Q5_K {
       out[c] = simd::fma(code, scale, minus_min);
     }
   }
+  static inline simd::vcodes codes(const uint8_t* block, const Scales& s, int g, Halves& h) {
+    group_halves(s, g, h);
+    const simd::vcodes low = simd::codes_bits(block + 48 + 32 * (g / 2), 4 * (g % 2), 0x0F);
+    return simd::codes_or(low, simd::codes_shl4(simd::codes_bits(block + 16, g, 1)));
+  }
 };
 
 // Q6_K: two halves of 128 weights; in half h, group t (0-3) takes the low or high nibbles
@@ -174,6 +236,7 @@ struct Q5_K {
 // q by d * sc less 32 d * sc gives it exactly.
 struct Q6_K {
   static constexpr int64_t kBytes = 210, kWeights = 256;
+  static constexpr bool kSigned = false, kTwoScales = true;
   struct Scales {
     float scale[16], minus_32_scale[16];  // d * sc, one per 16 weights; -32 d * sc
   };
@@ -196,6 +259,15 @@ struct Q6_K {
       const int i = 2 * g + c * kLanes / 16;
       out[c] = simd::fma(code, simd::set1(s.scale[i]), simd::set1(s.minus_32_scale[i]));
     }
+  }
+  static inline simd::vcodes codes(const uint8_t* block, const Scales& s, int g, Halves& h) {
+    const int half = g / 4, t = g % 4;
+    for (int i = 0; i < 2; ++i) {
+      h.scale[i] = s.scale[2 * g + i];
+      h.min[i] = s.minus_32_scale[2 * g + i];
+    }
+    const simd::vcodes low = simd::codes_bits(block + 64 * half + 32 * (t % 2), 4 * (t / 2), 0x0F);
+    return simd::codes_or(low, simd::codes_shl4(simd::codes_bits(block + 128 + 32 * half, 2 * t, 3)));
   }
 };
 
@@ -292,6 +364,141 @@ void block_gemm_all(int64_t rows, const float* x, const uint8_t* w, float* y, in
                        y + m0 * n_dim, k_dim, n_dim, row_bytes);
 }
 
+// ---- int8 activations -------------------------------------------------------------
+// The int8 path (`block_gemm_int8`) quantizes each row of x to int8 per 32 values, as
+// llama.cpp does: x ~ dx * q, dx = max |x| / 127, q = x * (127 / max |x|) rounded to
+// nearest (ties to even). With w = scale * code + min per half group,
+//   sum_i w_i x_i ~ sum_halves  scale * dx * sum code_i q_i  +  min * dx * sum q_i,
+// where each sum of code_i q_i is an exact integer (AVX2's maddubs + madd, also in the
+// AVX-512 build), turned to float once per 8 products. Not bit-identical to the fp32
+// path: rounding x to 8 bits is its error (at most dx / 2 a value).
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [rows, k]
+  std::vector<float> scale;  // dx: [rows, k / 32]
+  std::vector<float> sums;   // dx * (sum of q over each 16 values): [rows, k / 16]
+  std::vector<float> group_sums;  // dx * (sum of q over each 32): [rows, k / 32]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_dim) {
+  QuantizedRows out;
+  out.q.resize(rows * k_dim);
+  out.scale.resize(rows * k_dim / kGroupWeights);
+  out.sums.resize(rows * k_dim / 16);
+  out.group_sums.resize(rows * k_dim / kGroupWeights);
+  for (int64_t g = 0; g < rows * k_dim / kGroupWeights; ++g) {
+    const float* xg = x + g * kGroupWeights;
+    float amax = 0.f;
+    for (int i = 0; i < kGroupWeights; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float d = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* q = out.q.data() + g * kGroupWeights;
+    int sum[2] = {0, 0};
+    for (int i = 0; i < kGroupWeights; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inverse));
+      sum[i / 16] += q[i];
+    }
+    out.scale[g] = d;
+    out.sums[2 * g] = d * static_cast<float>(sum[0]);
+    out.sums[2 * g + 1] = d * static_cast<float>(sum[1]);
+    out.group_sums[g] = d * static_cast<float>(sum[0] + sum[1]);
+  }
+  return out;
+}
+
+#if defined(__AVX2__)
+struct Int8Acc {  // 8 lanes of scaled integer sums, and the minima's share
+  __m256 sums = _mm256_setzero_ps();
+  float mins = 0.f;
+  float total() const { return simd::codes_sum(sums) + mins; }
+};
+#else
+struct Int8Acc {
+  float sums = 0.f, mins = 0.f;
+  float total() const { return sums + mins; }
+};
+#endif
+
+// acc += the group's products (`code`, `h`) with x's group g (q, scale dx, half sums)
+template <typename F>
+inline void int8_group(Int8Acc& acc, simd::vcodes code, const Halves& h, const int8_t* q,
+                       float dx, const float* sums, float group_sum) {
+#if defined(__AVX2__)
+  const __m256 scale = F::kTwoScales
+                           ? _mm256_set_m128(_mm_set1_ps(h.scale[1] * dx), _mm_set1_ps(h.scale[0] * dx))
+                           : _mm256_set1_ps(h.scale[0] * dx);
+  acc.sums = _mm256_fmadd_ps(simd::codes_dot(code, q, F::kSigned), scale, acc.sums);
+#else
+  int32_t half[2] = {0, 0};
+  for (int i = 0; i < kGroupWeights; ++i)
+    half[i / 16] += (F::kSigned ? static_cast<int8_t>(code[i]) : code[i]) * static_cast<int32_t>(q[i]);
+  acc.sums += (h.scale[0] * dx) * static_cast<float>(half[0]) +
+              (h.scale[1] * dx) * static_cast<float>(half[1]);
+#endif
+  if (F::kTwoScales)
+    acc.mins += h.min[0] * sums[0] + h.min[1] * sums[1];
+  else if (!F::kSigned)
+    acc.mins += h.min[0] * group_sum;
+}
+
+// R rows of W against M rows of x: each group's codes are decoded once for the M rows
+template <int M, int R, typename F>
+void int8_row_group(const QuantizedRows& x, const uint8_t* w, float* y, int64_t k_dim,
+                    int64_t n_dim, int64_t row_bytes, int64_t j) {
+  Int8Acc acc[M][R];
+  const uint8_t* w0 = w + j * row_bytes;
+  const char* ahead = reinterpret_cast<const char*>(w0 + R * row_bytes);
+  constexpr int64_t ahead_step = R * F::kBytes;
+  constexpr int kGroups = F::kWeights / kGroupWeights;
+  const int64_t x_groups = k_dim / kGroupWeights;
+  for (int64_t b = 0; b < k_dim / F::kWeights; ++b) {
+    for (int64_t o = 0; o < ahead_step; o += 64) simd::prefetch(ahead + o);
+    simd::prefetch(ahead + ahead_step - 1);
+    ahead += ahead_step;
+    typename F::Scales scales[R];
+    for (int r = 0; r < R; ++r) scales[r] = F::scales(w0 + r * row_bytes + b * F::kBytes);
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t xg = b * kGroups + g;  // x's group
+      for (int r = 0; r < R; ++r) {
+        Halves h;
+        const simd::vcodes code = F::codes(w0 + r * row_bytes + b * F::kBytes, scales[r], g, h);
+        for (int m = 0; m < M; ++m)
+          int8_group<F>(acc[m][r], code, h, x.q.data() + (m * x_groups + xg) * kGroupWeights,
+                        x.scale[m * x_groups + xg], x.sums.data() + 2 * (m * x_groups + xg),
+                        x.group_sums[m * x_groups + xg]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = acc[m][r].total();
+}
+
+template <int M, typename F>
+void int8_gemm_m(const QuantizedRows& x, const uint8_t* w, float* y, int64_t k_dim,
+                 int64_t n_dim, int64_t row_bytes) {
+  constexpr int R = M <= 2 ? 4 : 2;
+  at::parallel_for(0, n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      int8_row_group<M, R, F>(x, w, y, k_dim, n_dim, row_bytes, g * R);
+  });
+}
+
+template <typename F>
+void int8_gemm_all(int64_t rows, const float* x, const uint8_t* w, float* y, int64_t k_dim,
+                   int64_t n_dim) {
+  const int64_t row_bytes = k_dim / F::kWeights * F::kBytes;
+  constexpr int64_t kPass = 4;  // rows of x per pass over W
+  for (int64_t m0 = 0; m0 < rows; m0 += kPass) {
+    const int64_t m = std::min(kPass, rows - m0);
+    const QuantizedRows xq = quantize_rows(x + m0 * k_dim, m, k_dim);
+    float* ym = y + m0 * n_dim;
+    switch (m) {
+      case 1: int8_gemm_m<1, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+      case 2: int8_gemm_m<2, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+      case 3: int8_gemm_m<3, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+      default: int8_gemm_m<4, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+    }
+  }
+}
+
 }  // namespace
 
 // Weights per block of the format with `block_bytes`-byte blocks; 0 for no such format.
@@ -333,9 +540,35 @@ torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<to
   return y;
 }
 
+// The same product with x's rows quantized to int8 (see the int8 section above).
+torch::Tensor block_gemm_int8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && blocks.dtype() == torch::kUInt8,
+              "block_gemm_int8: float32 x, uint8 blocks");
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3,
+              "block_gemm_int8: 2-D x, 3-D blocks [out, blocks, bytes]");
+  x = x.contiguous();
+  TORCH_CHECK(blocks.is_contiguous(), "block_gemm_int8: contiguous blocks");
+  const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = blocks.size(0);
+  const int64_t block_bytes = blocks.size(2), weights = block_weights(block_bytes);
+  TORCH_CHECK(weights > 0, "block_gemm_int8: ", block_bytes, "-byte blocks are no format it knows");
+  TORCH_CHECK(rows >= 1 && block_gemm_supported(k_dim, n_dim, block_bytes),
+              "block_gemm_int8: in_features % ", weights, " == 0, out_features % 4 == 0");
+  TORCH_CHECK(blocks.size(1) * weights == k_dim, "block_gemm_int8: ", blocks.size(1),
+              " blocks of ", weights, " weights per row, for ", k_dim, " in_features");
+  auto y = torch::empty({rows, n_dim}, x.options());
+  with_format(block_bytes, [&](auto format) {
+    int8_gemm_all<decltype(format)>(rows, x.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
+                                    y.data_ptr<float>(), k_dim, n_dim);
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
 void register_block_gemm(pybind11::module& m) {
   m.def("block_gemm", &block_gemm,
         "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks");
+  m.def("block_gemm_int8", &block_gemm_int8,
+        "block_gemm with x quantized to int8 per 32 values and integer products");
   m.def("block_gemm_supported", &block_gemm_supported,
         "whether block_gemm takes these shapes (in_features, out_features, bytes per block)");
 }

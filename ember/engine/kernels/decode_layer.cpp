@@ -21,6 +21,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
 bool small_gemm_supported(int64_t rows, int64_t in_features, int64_t out_features);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias);
+torch::Tensor block_gemm_int8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
@@ -40,17 +41,19 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // The same choice as ember.models.layers.Linear: ember's block GEMM on the GGUF blocks
-// of W up to `block_max_rows`, its small GEMM for other decode batches, oneDNN's packed
+// of W up to `block_max_rows` (on int8 activations up to `int8_max_rows`), its small GEMM for other decode batches, oneDNN's packed
 // weight from `packed_min_rows` rows on, else MKL on the plain weight. bf16 weights
 // (under float32 x) multiply bf16 x into an fp32 result, as in Linear.
 struct Limits {
-  int64_t packed_min_rows, block_max_rows;
+  int64_t packed_min_rows, block_max_rows, int8_max_rows;
 };
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& packed,
                      const c10::optional<torch::Tensor>& blocks,
                      const c10::optional<torch::Tensor>& bias, Limits limits) {
+  if (blocks.has_value() && x.size(0) <= limits.int8_max_rows)
+    return block_gemm_int8(x, *blocks, bias);
   if (blocks.has_value() && x.size(0) <= limits.block_max_rows)
     return block_gemm(x, *blocks, bias);
   if (small_gemm_supported(x.size(0), weight.size(1), weight.size(0)))
@@ -81,12 +84,12 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
                            torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor slots, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t packed_min_rows,
-                           int64_t block_max_rows, pybind11::object reduce) {
+                           int64_t block_max_rows, int64_t int8_max_rows, pybind11::object reduce) {
   // reduce: None, or (tensor parallel) a Python callable summing a tensor over the ranks in
   // place; it gets the o and down projections' partial products (called with the GIL held)
   TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4,
               "decode_layer: weights");
-  const Limits limits{packed_min_rows, block_max_rows};
+  const Limits limits{packed_min_rows, block_max_rows, int8_max_rows};
   const int64_t num_seqs = hidden.size(0), head_dim = cos.size(1);
   auto x = first ? add_rms_norm(residual, c10::nullopt, weights[0], eps)
                  : add_rms_norm(residual, hidden, weights[0], eps);

@@ -217,4 +217,77 @@ inline float half_at(const uint8_t* p) {
 
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
+// 32 bytes of small integer codes (a 32-weight group of a quantized block, as unsigned
+// bytes) and their products with 32 int8 activations (the int8 block GEMM). On x86 these
+// are AVX2's 256-bit integer ops, in the AVX-512 build as well; elsewhere plain vectors.
+#if defined(__AVX2__)
+using vcodes = __m256i;
+inline vcodes codes_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// the low nibbles of 16 bytes, then their high nibbles
+inline vcodes codes_nibbles(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+// (p[i] >> shift) & mask for 32 bytes
+inline vcodes codes_bits(const uint8_t* p, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi16(codes_load(p), _mm_cvtsi32_si128(shift)),
+                          _mm256_set1_epi8(static_cast<char>(mask)));
+}
+// byte i: `value` where bit i of word is set, else 0
+inline vcodes codes_word_bits(uint32_t word, int value) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(word)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(static_cast<char>(value)));
+}
+inline float codes_sum(__m256 v) {  // the 8 lanes' sum, pairwise
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+inline vcodes codes_or(vcodes a, vcodes b) { return _mm256_or_si256(a, b); }
+inline vcodes codes_shl4(vcodes a) { return _mm256_slli_epi16(a, 4); }  // bytes below 16 only
+
+// 8 sums of 4 products code * x each (the 32 in order: sums 0-3 are the first 16), as
+// floats; `code` unsigned below 64 (pairs stay within int16), or with `is_signed` int8
+// codes, whose signs move onto x
+inline __m256 codes_dot(vcodes code, const int8_t* x, bool is_signed) {
+  __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if (is_signed) {
+    xv = _mm256_sign_epi8(xv, code);
+    code = _mm256_sign_epi8(code, code);
+  }
+  const __m256i pairs = _mm256_maddubs_epi16(code, xv);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#else
+typedef uint8_t vcodes __attribute__((vector_size(32)));
+typedef int16_t vcodes16 __attribute__((vector_size(64)));
+inline vcodes codes_load(const uint8_t* p) {
+  vcodes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vcodes codes_nibbles(const uint8_t* p) {
+  vcodes v;
+  for (int i = 0; i < 16; ++i) {
+    v[i] = p[i] & 0x0F;
+    v[16 + i] = p[i] >> 4;
+  }
+  return v;
+}
+inline vcodes codes_bits(const uint8_t* p, int shift, int mask) {
+  return (codes_load(p) >> shift) & static_cast<uint8_t>(mask);
+}
+inline vcodes codes_word_bits(uint32_t word, int value) {
+  vcodes v;
+  for (int i = 0; i < 32; ++i) v[i] = (word >> i) & 1 ? value : 0;
+  return v;
+}
+inline vcodes codes_or(vcodes a, vcodes b) { return a | b; }
+inline vcodes codes_shl4(vcodes a) { return a << 4; }
+#endif
+
 }  // namespace simd
