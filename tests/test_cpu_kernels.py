@@ -160,7 +160,9 @@ def test_block_gemm_int8_is_exact_on_int8_rounded_activations(name, rows, kernel
     # against exact fp32 activations: off by at most W times x's rounding (dx / 2 a value)
     half_steps = (x.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32)
     bound = half_steps.reshape(rows, -1).double() @ w.double().abs().T
-    assert ((y.double() - F.linear(x, w, b).double()).abs() <= bound * 1.001 + 2e-6 * magnitude).all()
+    assert (
+        (y.double() - F.linear(x, w, b).double()).abs() <= bound * 1.001 + 2e-6 * magnitude
+    ).all()
     # rows are independent: one row alone gives its result (up to the rounding above)
     alone = kernels.block_gemm_int8(x[-1:], blocks, b).double()
     assert ((alone - y[-1:].double()).abs() <= 4e-6 * magnitude[-1:]).all()

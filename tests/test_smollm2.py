@@ -109,11 +109,12 @@ def test_int8_decode_activations_stay_with_transformers_but_at_near_ties(smollm2
         pytest.skip("no C++ toolchain to build kernels")
     qkv = int8.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.int8_max_rows > 0 and qkv.int8_gemm is not None
-    tokenizer = int8.get_tokenizer()
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     for chat, (prompt, expected) in zip(CHATS, reference_tokens, strict=True):
         got = int8.chat([chat], greedy)[0].outputs[0].token_ids
-        split = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        split = next(
+            (i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None
+        )
         if split is None:
             assert got == expected
             continue
@@ -126,7 +127,7 @@ def test_int8_decode_activations_stay_with_transformers_but_at_near_ties(smollm2
     assert int8_out.token_ids == fp32_out.token_ids
     ours = [next(iter(step.values())) for step in int8_out.logprobs]
     theirs = [next(iter(step.values())) for step in fp32_out.logprobs]
-    assert ours != theirs and max(abs(a - b) for a, b in zip(ours, theirs)) < 0.15
+    assert ours != theirs and max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 0.15
 
 
 @pytest.fixture(scope="module")
