@@ -307,7 +307,7 @@ BLOCK_CASES = {
     "llama-Q4_1": dict(arch="llama", qtype=QT.Q4_1),
     "qwen2-Q4_0": dict(arch="qwen2", qtype=QT.Q4_0),  # qkv bias
     "llama-Q8_0-tied": dict(arch="llama", qtype=QT.Q8_0, tied=True),  # head = embedding blocks
-    # k in another format than q and v: the fused qkv decodes from fp32, the rest from blocks
+    # k in another format than q and v: the fused qkv multiplies its parts' blocks one by one
     "llama-mixed": dict(arch="llama", qtype=QT.Q4_1, qtypes={"blk.0.attn_k.weight": QT.Q8_0}),
     # Q4_K_M-style: K-quant down projections (in_features 256), 32-weight Q5_0 elsewhere
     "llama-k-quants": dict(
@@ -345,8 +345,12 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
     linears = {
         name: m for name, m in llm.engine.core.runner.model.named_modules() if isinstance(m, Linear)
     }
-    without = {name for name, m in linears.items() if m.block_gemm is None}
-    assert without == ({"model.layers.0.self_attn.qkv_proj"} if case == "llama-mixed" else set())
+    assert all(m.block_gemm is not None for m in linears.values())
+    by_part = {name for name, m in linears.items() if m.blocks is None}
+    assert by_part == ({"model.layers.0.self_attn.qkv_proj"} if case == "llama-mixed" else set())
+    if case == "llama-mixed":  # q, k, v: Q4_1, Q8_0, Q4_1 blocks
+        qkv = linears["model.layers.0.self_attn.qkv_proj"]
+        assert [part.shape[2] for part in qkv.block_parts] == [20, 34, 20]
     prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -360,8 +364,7 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
             assert tokens == expected
     fp32_only = LLM(str(path), kv_cache_memory=1 << 24, gguf_blocks=False)
     assert not any(
-        isinstance(m, Linear) and m.blocks is not None
-        for m in fp32_only.engine.core.runner.model.modules()
+        isinstance(m, Linear) and m.block_list for m in fp32_only.engine.core.runner.model.modules()
     )
 
 

@@ -589,7 +589,10 @@ def module_weight_bytes(module: torch.nn.Module) -> int:
 
 def _log_block_decode(model: torch.nn.Module) -> None:
     blocks = [
-        m.blocks for m in model.modules() if isinstance(m, Linear) and m.block_gemm is not None
+        part
+        for m in model.modules()
+        if isinstance(m, Linear) and m.block_gemm is not None
+        for part in m.block_list
     ]
     if blocks:
         int8 = max(m.int8_max_rows for m in model.modules() if isinstance(m, Linear))

@@ -96,8 +96,11 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.small_gemm = None  # ember's kernel for 1-8 rows, when it applies
         self.bf16_prefill = False  # rows >= BF16_MIN_ROWS: bf16 x, bf16 `packed`, bf16 y
-        # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]
+        # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]; a fused
+        # W whose parts came in different formats keeps each part's blocks (`block_parts`,
+        # in order along out_features) and multiplies them one by one
         self.blocks: torch.Tensor | None = None
+        self.block_parts: list[torch.Tensor] = []
         self.block_gemm = None  # ember's kernel over `blocks`, when it applies
         # up to this many rows multiply `blocks` with int8 activations (`int8_gemm`); set
         # before pack_for_cpu, which keeps it only where the blocks are kept
@@ -111,7 +114,10 @@ class Linear(nn.Module):
             return self._packed_linear(x.to(torch.bfloat16))  # bf16 out, for the next op
         if self.block_gemm is not None and rows <= BLOCK_GEMM_MAX_ROWS:
             gemm = self.int8_gemm if rows <= self.int8_max_rows else self.block_gemm
-            return gemm(x, self.blocks, self.bias)
+            if self.blocks is not None:
+                return gemm(x, self.blocks, self.bias)
+            y = torch.cat([gemm(x, part, None) for part in self.block_parts], dim=1)
+            return y if self.bias is None else y.add_(self.bias)
         if self.small_gemm is not None and rows <= SMALL_GEMM_MAX_ROWS:
             return self.small_gemm(x.contiguous(), self.weight, self.bias)
         if self.weight.dtype != x.dtype:  # bf16 weights under fp32 activations
@@ -135,7 +141,7 @@ class Linear(nn.Module):
     def load_blocks(self, rows: torch.Tensor, shard_id: int | None = None) -> None:
         """The checkpoint's raw blocks of W (or of part `shard_id` of a merged W): uint8
         [rows, blocks per row, bytes per block], a row per output feature. Used once every
-        part has come, in one format (the same block size and count)."""
+        part has come: as one matrix in one format, else part by part."""
         sizes = getattr(self, "output_sizes", [self.weight.shape[0]])
         shard = shard_id or 0
         rows = self._rank_blocks(rows, shard)
@@ -149,7 +155,14 @@ class Linear(nn.Module):
             parts = [self._block_parts[i] for i in range(len(sizes))]
             if len({part.shape[1:] for part in parts}) == 1:  # one format throughout
                 self.blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
+            else:
+                self.block_parts = parts
             self._block_parts = {}
+
+    @property
+    def block_list(self) -> list[torch.Tensor]:
+        """W's blocks as the kernels take them: [blocks], the parts' blocks, or []."""
+        return [self.blocks] if self.blocks is not None else self.block_parts
 
     def _rank_blocks(self, rows: torch.Tensor, shard: int) -> torch.Tensor:
         """A tensor-parallel rank's rows of a matrix's blocks (given all of them, or only
@@ -176,16 +189,17 @@ class Linear(nn.Module):
         if kernels is not None and kernels.small_gemm_supported(1, in_features, out_features):
             self.small_gemm = kernels.small_gemm
         # the blocks decode to the fp32 W; a model converted to another dtype drops them
+        parts = self.block_list
         if (
-            self.blocks is not None
+            parts
             and kernels is not None
             and self.weight.dtype == torch.float32
-            and kernels.block_gemm_supported(in_features, out_features, self.blocks.shape[2])
+            and all(kernels.block_gemm_supported(in_features, p.shape[0], p.shape[2]) for p in parts)
         ):
             self.block_gemm = kernels.block_gemm
             self.int8_gemm = kernels.block_gemm_int8 if self.int8_max_rows else None
         else:
-            self.blocks = None
+            self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
 
 

@@ -48,14 +48,20 @@ struct Limits {
   int64_t packed_min_rows, block_max_rows, int8_max_rows;
 };
 
+// W's blocks: none, one matrix, or a fused W's parts in different formats (along out
+// features), multiplied part by part
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& packed,
-                     const c10::optional<torch::Tensor>& blocks,
+                     const std::vector<torch::Tensor>& blocks,
                      const c10::optional<torch::Tensor>& bias, Limits limits) {
-  if (blocks.has_value() && x.size(0) <= limits.int8_max_rows)
-    return block_gemm_int8(x, *blocks, bias);
-  if (blocks.has_value() && x.size(0) <= limits.block_max_rows)
-    return block_gemm(x, *blocks, bias);
+  if (!blocks.empty() && x.size(0) <= limits.block_max_rows) {
+    const auto gemm = x.size(0) <= limits.int8_max_rows ? block_gemm_int8 : block_gemm;
+    if (blocks.size() == 1) return gemm(x, blocks[0], bias);
+    std::vector<torch::Tensor> parts;
+    for (const auto& part : blocks) parts.push_back(gemm(x, part, c10::nullopt));
+    auto y = torch::cat(parts, 1);
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
   if (small_gemm_supported(x.size(0), weight.size(1), weight.size(0)))
     return small_gemm(x.contiguous(), weight, bias);
   if (weight.scalar_type() != x.scalar_type()) {
@@ -73,12 +79,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 }  // namespace
 
 // weights: {input_norm, post_norm, qkv, o, gate_up, down}; packed: the same four matmul
-// weights in oneDNN layout (or None); blocks: the same four as GGUF blocks (or None);
+// weights in oneDNN layout (or None); blocks: the same four's GGUF blocks (see linear);
 // qkv_bias optional.
 torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool first,
                            std::vector<torch::Tensor> weights,
                            std::vector<c10::optional<torch::Tensor>> packed,
-                           std::vector<c10::optional<torch::Tensor>> blocks,
+                           std::vector<std::vector<torch::Tensor>> blocks,
                            c10::optional<torch::Tensor> qkv_bias, double eps,
                            int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
