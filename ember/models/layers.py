@@ -194,7 +194,9 @@ class Linear(nn.Module):
             parts
             and kernels is not None
             and self.weight.dtype == torch.float32
-            and all(kernels.block_gemm_supported(in_features, p.shape[0], p.shape[2]) for p in parts)
+            and all(
+                kernels.block_gemm_supported(in_features, p.shape[0], p.shape[2]) for p in parts
+            )
         ):
             self.block_gemm = kernels.block_gemm
             self.int8_gemm = kernels.block_gemm_int8 if self.int8_max_rows else None
