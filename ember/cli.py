@@ -257,7 +257,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--decode-activations",
         default=d.decode_activations,
         choices=("auto", "fp32", "int8"),
-        help="CPU decode steps on a GGUF file's blocks: fp32 (exact), int8 (activations "
+        help="CPU one-row decode steps on a GGUF file's blocks: fp32 (exact), int8 (activations "
         "rounded to int8 per 32 values, integer products, as llama.cpp does) or auto (the "
         "default: int8 unless --matmul-precision is ieee, on x86)",
     )

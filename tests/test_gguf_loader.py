@@ -386,7 +386,7 @@ def test_drafts_of_few_sequences_verify_on_the_blocks_as_their_decodes_run(
     write_tiny_model(path, **BLOCK_CASES["llama-k-quants"])
     prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)
-    # fp32 activations: int8 ones (the default under bf16) round 1-2 rows apart from more
+    # fp32 activations: int8 ones (the default under bf16) round one row apart from more
     options = dict(kv_cache_memory=1 << 24, matmul_precision="bf16", decode_activations="fp32")
     want = LLM(str(path), **options).generate(prompts, params)
     reference = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want, strict=True)}
@@ -404,7 +404,7 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
 ) -> None:
     """decode_activations auto rounds activations to int8 (on the x86 kernel builds) unless
     matmul_precision is ieee; int8 and fp32 are honoured either way; anything else is
-    refused by name. Under int8 the 1-2 row steps run the int8 kernel, in the fused decode
+    refused by name. Under int8 the one-row steps run the int8 kernel, in the fused decode
     layers too, and give the fp32 run's greedy tokens on this model (no near-ties)."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels

@@ -211,8 +211,11 @@ PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
-# decode_activations int8: the block GEMM on int8 activations up to here (measured below)
-INT8_MAX_ROWS = 2
+# decode_activations int8: the block GEMM on int8 activations for this many rows. Measured
+# (benchmarks/int8_gemm.py, AMD EPYC, 2 threads, SmolLM2's shapes): 1.2-1.8x the fp32
+# activations' speed at 1 row, 0.9-1.4x at 2, slower from 4 (each row pays a float
+# conversion and scale per 32 products where fp32 shares one decoded vector)
+INT8_MAX_ROWS = 1
 # bf16_prefill: from here on the bf16 packed copy runs 2.3x (16 rows) to 4x (64 rows)
 # faster than oneDNN's fp32 (SmolLM2's layer, 1 thread); fewer rows stay exact
 BF16_MIN_ROWS = 16

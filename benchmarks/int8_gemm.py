@@ -1,0 +1,80 @@
+"""The block GEMM with int8 activations against the exact one (fp32 activations), on the
+same GGUF blocks: SmolLM2's shapes, random codes with a small fp16 scale, 1 to 8 rows.
+
+The two alternate call by call, `--repeats` rounds; the minimum per call is printed with
+the bytes of W read per second. With several copies of W (`--copies`, 30 by default: one
+per layer, as a decode step reads them) the weights do not stay in cache.
+
+    python benchmarks/int8_gemm.py [--formats Q4_1,Q8_0] [--shapes 3072x576,49152x576]
+        [--rows 1,2,4,8] [--threads 2] [--isa avx512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import gguf
+import torch
+
+from ember.engine.kernels import cpu_kernels
+
+HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2),
+               "Q6_K": (208,)}  # fmt: skip
+
+
+def random_blocks(name: str, out_features: int, in_features: int) -> torch.Tensor:
+    weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    blocks = torch.randint(0, 256, (out_features, in_features // weights, block_bytes),
+                           dtype=torch.uint8)  # fmt: skip
+    small = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8)
+    for offset in HALF_FIELDS[name]:
+        blocks[:, :, offset : offset + 2] = small
+    return blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="Q4_1,Q8_0")
+    parser.add_argument("--shapes", default="3072x576,576x1536", help="out x in features")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--copies", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--isa", default=None, help="a kernel build (default: the CPU's best)")
+    args = parser.parse_args()
+    kernels = cpu_kernels(args.isa)
+    if kernels is None:
+        raise SystemExit("ember's CPU kernels could not be built here")
+    torch.set_num_threads(args.threads)
+    print(f"{kernels.isa} build, {args.threads} threads, {args.copies} copies of W")
+    print("format shape        rows   fp32 us  int8 us   fp32 GB/s  int8 GB/s  speed-up")
+    for name in args.formats.split(","):
+        for shape in args.shapes.split(","):
+            out_features, in_features = map(int, shape.split("x"))
+            weights = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0]
+            if in_features % weights:
+                continue  # K-quants: whole 256-weight super-blocks only
+            copies = [random_blocks(name, out_features, in_features) for _ in range(args.copies)]
+            nbytes = copies[0].numel()
+            for rows in map(int, args.rows.split(",")):
+                x = torch.randn(rows, in_features)
+                best = {"fp32": float("inf"), "int8": float("inf")}
+                for _ in range(args.repeats):
+                    for kind, gemm in (
+                        ("fp32", kernels.block_gemm),
+                        ("int8", kernels.block_gemm_int8),
+                    ):
+                        for w in copies:
+                            gemm(x, w, None)
+                        start = time.perf_counter()
+                        for w in copies:
+                            gemm(x, w, None)
+                        best[kind] = min(best[kind], (time.perf_counter() - start) / len(copies))
+                fp32, int8 = best["fp32"], best["int8"]
+                print(f"{name:6} {shape:12} {rows:4} {fp32 * 1e6:9.1f} {int8 * 1e6:8.1f}"
+                      f" {nbytes / fp32 / 1e9:11.1f} {nbytes / int8 / 1e9:10.1f} {fp32 / int8:9.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
