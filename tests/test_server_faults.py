@@ -226,10 +226,16 @@ def test_a_stream_dropped_before_it_is_read_is_aborted(served):
     async def main():
         params = SamplingParams(max_tokens=450, ignore_eos=True)
         stream = served.llm.add_request(prompt, params)
+        request_id = stream.request_id
         assert served.llm.num_waiting == 1
         del stream  # e.g. a response body that never started
         gc.collect()
-        await asyncio.sleep(0.2)  # the abort is scheduled on this loop
+        # the abort is scheduled on this loop; it is sent when the frontend forgets the
+        # request (a fixed wait here lost that race once under a loaded suite)
+        deadline = time.monotonic() + 5
+        while request_id in served.llm.output_processor.requests:
+            assert time.monotonic() < deadline, "the dropped stream was never aborted"
+            await asyncio.sleep(0.01)
 
     with frozen_core(served):
         asyncio.run(main())
