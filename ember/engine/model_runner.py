@@ -600,7 +600,7 @@ def _log_block_decode(model: torch.nn.Module) -> None:
             "decode steps read the GGUF file's blocks for %d matmuls (%.0f MB per step)%s",
             len(blocks),
             sum(b.numel() for b in blocks) / 1e6,
-            f", with int8 activations up to {int8} rows" if int8 else "",
+            f", with int8 activations in steps of up to {int8} row(s)" if int8 else "",
         )
 
 
