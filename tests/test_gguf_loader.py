@@ -436,6 +436,17 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
     assert outputs["ieee", "int8"] == outputs["ieee", "auto"]
     with pytest.raises(ValueError, match="decode_activations must be auto, fp32 or int8"):
         LLM(str(path), kv_cache_memory=1 << 24, decode_activations="int4")
+    # a fused q/k/v in two formats multiplies its parts on int8 activations just as well
+    mixed = tmp_path / "mixed.gguf"
+    write_tiny_model(mixed, **BLOCK_CASES["llama-mixed"])
+    by_activations = {}
+    for activations in ("fp32", "int8"):
+        llm = LLM(str(mixed), kv_cache_memory=1 << 24, decode_activations=activations)
+        qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+        assert len(qkv.block_parts) == 3
+        assert qkv.int8_max_rows == (INT8_MAX_ROWS if activations == "int8" else 0)
+        by_activations[activations] = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+    assert by_activations["int8"] == by_activations["fp32"]
 
 
 # ---------------------------------------------------------------- config
