@@ -297,14 +297,11 @@ constexpr int rows_per_group() {
   return M <= 2 ? 2 : 1;
 }
 
-template <int M, int R, typename F>
-void row_group(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_t n_dim,
-               int64_t row_bytes, int64_t j) {
-  vf acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = simd::zero();
-  const uint8_t* w0 = w + j * row_bytes;
-  // The next group's rows follow these: prefetch them, spread over this loop.
+// Walks R rows of W (from w0) block by block, calling fn(b, scales) with each block
+// column's scales, read once per row. The next group's rows follow these: they are
+// prefetched, spread over the walk.
+template <int R, typename F, typename Fn>
+inline void walk_blocks(const uint8_t* w0, int64_t row_bytes, int64_t k_dim, const Fn& fn) {
   const char* ahead = reinterpret_cast<const char*>(w0 + R * row_bytes);
   constexpr int64_t ahead_step = R * F::kBytes;  // bytes of W one block step reads
   for (int64_t b = 0; b < k_dim / F::kWeights; ++b) {
@@ -313,6 +310,18 @@ void row_group(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_
     ahead += ahead_step;
     typename F::Scales scales[R];
     for (int r = 0; r < R; ++r) scales[r] = F::scales(w0 + r * row_bytes + b * F::kBytes);
+    fn(b, scales);
+  }
+}
+
+template <int M, int R, typename F>
+void row_group(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_t n_dim,
+               int64_t row_bytes, int64_t j) {
+  vf acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = simd::zero();
+  const uint8_t* w0 = w + j * row_bytes;
+  walk_blocks<R, F>(w0, row_bytes, k_dim, [&](int64_t b, const typename F::Scales* scales) {
     for (int g = 0; g < F::kWeights / kGroupWeights; ++g) {
       vf weights[R][kChunks];
       for (int r = 0; r < R; ++r)
@@ -324,7 +333,7 @@ void row_group(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_
           for (int r = 0; r < R; ++r) acc[m][r] = simd::fma(xv, weights[r][c], acc[m][r]);
         }
     }
-  }
+  });
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = simd::reduce_add(acc[m][r]);
 }
@@ -445,16 +454,9 @@ void int8_row_group(const QuantizedRows& x, const uint8_t* w, float* y, int64_t 
                     int64_t n_dim, int64_t row_bytes, int64_t j) {
   Int8Acc acc[M][R];
   const uint8_t* w0 = w + j * row_bytes;
-  const char* ahead = reinterpret_cast<const char*>(w0 + R * row_bytes);
-  constexpr int64_t ahead_step = R * F::kBytes;
   constexpr int kGroups = F::kWeights / kGroupWeights;
   const int64_t x_groups = k_dim / kGroupWeights;
-  for (int64_t b = 0; b < k_dim / F::kWeights; ++b) {
-    for (int64_t o = 0; o < ahead_step; o += 64) simd::prefetch(ahead + o);
-    simd::prefetch(ahead + ahead_step - 1);
-    ahead += ahead_step;
-    typename F::Scales scales[R];
-    for (int r = 0; r < R; ++r) scales[r] = F::scales(w0 + r * row_bytes + b * F::kBytes);
+  walk_blocks<R, F>(w0, row_bytes, k_dim, [&](int64_t b, const typename F::Scales* scales) {
     for (int g = 0; g < kGroups; ++g) {
       const int64_t xg = b * kGroups + g;  // x's group
       for (int r = 0; r < R; ++r) {
@@ -466,7 +468,7 @@ void int8_row_group(const QuantizedRows& x, const uint8_t* w, float* y, int64_t 
                         x.group_sums[m * x_groups + xg]);
       }
     }
-  }
+  });
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = acc[m][r].total();
 }
@@ -513,55 +515,46 @@ bool block_gemm_supported(int64_t in_features, int64_t out_features, int64_t blo
   return weights > 0 && in_features % weights == 0 && out_features % 4 == 0;
 }
 
-// blocks: [out_features, blocks per row, bytes per block] uint8; the block size names the
-// format.
-torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+// x W^T (+ b) for `name` (block_gemm, block_gemm_int8) after checking its arguments:
+// run(format, rows, x, w, y, k_dim, n_dim) computes the product for W's format.
+template <typename Run>
+torch::Tensor blocks_product(const char* name, torch::Tensor x, const torch::Tensor& blocks,
+                             const c10::optional<torch::Tensor>& bias, const Run& run) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && blocks.dtype() == torch::kUInt8,
-              "block_gemm: float32 x, uint8 blocks");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3, "block_gemm: 2-D x, 3-D blocks [out, blocks, bytes]");
+              name, ": float32 x, uint8 blocks");
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3, name, ": 2-D x, 3-D blocks [out, blocks, bytes]");
   x = x.contiguous();
-  TORCH_CHECK(blocks.is_contiguous(), "block_gemm: contiguous blocks");
+  TORCH_CHECK(blocks.is_contiguous(), name, ": contiguous blocks");
   const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = blocks.size(0);
   const int64_t block_bytes = blocks.size(2), weights = block_weights(block_bytes);
-  TORCH_CHECK(weights > 0, "block_gemm: ", block_bytes, "-byte blocks are none of Q4_0, Q4_1, ",
+  TORCH_CHECK(weights > 0, name, ": ", block_bytes, "-byte blocks are none of Q4_0, Q4_1, ",
               "Q5_0, Q5_1, Q8_0 (32 weights), Q4_K, Q5_K, Q6_K (256 weights)");
   TORCH_CHECK(rows >= 1 && block_gemm_supported(k_dim, n_dim, block_bytes),
-              "block_gemm: in_features % ", weights, " == 0, out_features % 4 == 0");
-  TORCH_CHECK(blocks.size(1) * weights == k_dim, "block_gemm: ", blocks.size(1), " blocks of ",
+              name, ": in_features % ", weights, " == 0, out_features % 4 == 0");
+  TORCH_CHECK(blocks.size(1) * weights == k_dim, name, ": ", blocks.size(1), " blocks of ",
               weights, " weights per row, for ", k_dim, " in_features");
   auto y = torch::empty({rows, n_dim}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   with_format(block_bytes, [&](auto format) {
-    block_gemm_all<decltype(format)>(rows, xp, wp, yp, k_dim, n_dim);
+    run(format, rows, x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(),
+        k_dim, n_dim);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
 
+// blocks: [out_features, blocks per row, bytes per block] uint8; the block size names the
+// format.
+torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+  return blocks_product("block_gemm", x, blocks, bias, [](auto format, auto... args) {
+    block_gemm_all<decltype(format)>(args...);
+  });
+}
+
 // The same product with x's rows quantized to int8 (see the int8 section above).
 torch::Tensor block_gemm_int8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && blocks.dtype() == torch::kUInt8,
-              "block_gemm_int8: float32 x, uint8 blocks");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3,
-              "block_gemm_int8: 2-D x, 3-D blocks [out, blocks, bytes]");
-  x = x.contiguous();
-  TORCH_CHECK(blocks.is_contiguous(), "block_gemm_int8: contiguous blocks");
-  const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = blocks.size(0);
-  const int64_t block_bytes = blocks.size(2), weights = block_weights(block_bytes);
-  TORCH_CHECK(weights > 0, "block_gemm_int8: ", block_bytes, "-byte blocks are no format it knows");
-  TORCH_CHECK(rows >= 1 && block_gemm_supported(k_dim, n_dim, block_bytes),
-              "block_gemm_int8: in_features % ", weights, " == 0, out_features % 4 == 0");
-  TORCH_CHECK(blocks.size(1) * weights == k_dim, "block_gemm_int8: ", blocks.size(1),
-              " blocks of ", weights, " weights per row, for ", k_dim, " in_features");
-  auto y = torch::empty({rows, n_dim}, x.options());
-  with_format(block_bytes, [&](auto format) {
-    int8_gemm_all<decltype(format)>(rows, x.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
-                                    y.data_ptr<float>(), k_dim, n_dim);
+  return blocks_product("block_gemm_int8", x, blocks, bias, [](auto format, auto... args) {
+    int8_gemm_all<decltype(format)>(args...);
   });
-  if (bias.has_value()) y.add_(*bias);
-  return y;
 }
 
 void register_block_gemm(pybind11::module& m) {
