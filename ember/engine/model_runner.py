@@ -36,10 +36,11 @@ from ember.loader.checkpoint import Checkpoint
 from ember.models import get_model_class
 from ember.models.layers import (
     BF16_MIN_ROWS,
-    INT8_MAX_ROWS,
     Linear,
+    block_decode_summary,
     can_pack_for_cpu,
     cpu_has_bf16,
+    use_int8_activations,
 )
 from ember.models.moe import SparseMoE
 
@@ -166,11 +167,10 @@ class ModelRunner:
             ):
                 model.load_gguf_blocks(checkpoint.gguf_blocks(narrow))
                 if self._int8_activations():
-                    for module in model.modules():
-                        if isinstance(module, Linear):
-                            module.int8_max_rows = INT8_MAX_ROWS
+                    use_int8_activations(model)
             model.pack_for_cpu(bf16_prefill, self.weight_dtype)
-            _log_block_decode(model)
+            if summary := block_decode_summary(model):
+                logger.info(summary)
             startup.mark("packed")
         elif self.weight_dtype != self.dtype:
             raise ValueError(
@@ -585,23 +585,6 @@ def module_weight_bytes(module: torch.nn.Module) -> int:
             seen.add(key)
             total += size
     return total
-
-
-def _log_block_decode(model: torch.nn.Module) -> None:
-    blocks = [
-        part
-        for m in model.modules()
-        if isinstance(m, Linear) and m.block_gemm is not None
-        for part in m.block_list
-    ]
-    if blocks:
-        int8 = max(m.int8_max_rows for m in model.modules() if isinstance(m, Linear))
-        logger.info(
-            "decode steps read the GGUF file's blocks for %d matmuls (%.0f MB per step)%s",
-            len(blocks),
-            sum(b.numel() for b in blocks) / 1e6,
-            f", with int8 activations in steps of up to {int8} row(s)" if int8 else "",
-        )
 
 
 def _available_host_memory() -> int:

@@ -205,6 +205,28 @@ class Linear(nn.Module):
             self.int8_max_rows = 0
 
 
+def use_int8_activations(model: nn.Module) -> None:
+    """Every matmul of `model` multiplies its GGUF blocks on int8 activations in steps of up
+    to INT8_MAX_ROWS rows (decode_activations int8); call before pack_for_cpu."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.int8_max_rows = INT8_MAX_ROWS
+
+
+def block_decode_summary(model: nn.Module) -> str | None:
+    """A line for the log on the matmuls that read GGUF blocks in decode (None if none)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.block_gemm is not None]
+    if not linears:
+        return None
+    megabytes = sum(part.numel() for m in linears for part in m.block_list) / 1e6
+    int8 = max(m.int8_max_rows for m in linears)
+    return (
+        f"decode steps read the GGUF file's blocks for {len(linears)} matmuls "
+        f"({megabytes:.0f} MB per step)"
+        + (f", with int8 activations in steps of up to {int8} row(s)" if int8 else "")
+    )
+
+
 PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # measured on SmolLM2's Q4_1 weights, one pass: ember's block GEMM 3.5x (1 row) to 1.8x
 # (8 rows) faster than its fp32 small GEMM, 1.5x faster than oneDNN at 16 rows, level by
