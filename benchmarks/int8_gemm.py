@@ -1,5 +1,5 @@
 """The block GEMM with int8 activations against the exact one (fp32 activations), on the
-same GGUF blocks: SmolLM2's shapes, random codes with a small fp16 scale, 1 to 8 rows.
+same GGUF blocks: SmolLM2's shapes, random codes with small fp16 scales, 1 to 8 rows.
 
 The two alternate call by call, `--repeats` rounds; the minimum per call is printed with
 the bytes of W read per second. With several copies of W (`--copies`, 30 by default: one
@@ -12,25 +12,17 @@ per layer, as a decode step reads them) the weights do not stay in cache.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import gguf
 import torch
 
 from ember.engine.kernels import cpu_kernels
 
-HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2),
-               "Q6_K": (208,)}  # fmt: skip
-
-
-def random_blocks(name: str, out_features: int, in_features: int) -> torch.Tensor:
-    weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
-    blocks = torch.randint(0, 256, (out_features, in_features // weights, block_bytes),
-                           dtype=torch.uint8)  # fmt: skip
-    small = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8)
-    for offset in HALF_FIELDS[name]:
-        blocks[:, :, offset : offset + 2] = small
-    return blocks
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kquant_gemm import random_blocks  # noqa: E402  (random codes, small fp16 scales)
 
 
 def main() -> None:

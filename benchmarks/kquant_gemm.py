@@ -28,7 +28,9 @@ from ember.loader.dequant import dequantize
 # fp16 fields of each block (d, dmin): everything else is random codes and sub-block scales
 HALF_FIELDS = {
     "Q4_0": (0,),
+    "Q4_1": (0, 2),
     "Q5_0": (0,),
+    "Q5_1": (0, 2),
     "Q8_0": (0,),
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
