@@ -1,10 +1,12 @@
-"""One layer's prefill attention: ember's kernel against torch's SDPA (fp32 and bf16).
+"""One layer's prefill attention: ember's kernels (fp32, and bf16 on the CPU's bf16 dot
+product where it has one) against torch's SDPA (fp32 and bf16).
 
     python benchmarks/prefill_attention.py [--heads 9 --kv-heads 3 --head-dim 64]
 
 For each chunk x context shape, the kernel reads a paged cache (16-token blocks in a
 shuffled order) and SDPA a gathered copy with the chunk's causal mask, as the backends
 do; prints the largest difference from SDPA fp32 and the median time of each, per call.
+"ember bf16" is the kernel a bf16 prefill step calls (bf16 q and products, float32 cache).
 """
 
 from __future__ import annotations
@@ -57,14 +59,27 @@ def measure(kernels, tokens, context, heads, kv_heads, dim, repeats) -> str:
     def ember():
         return kernels.paged_prefill_attention(q, key_cache, value_cache, table, context, scale)
 
-    diff = (ember() - sdpa(torch.float32)).abs().max().item()
+    q_bf16 = q.bfloat16()
+    native = kernels.bf16_dot_supported()
+
+    def ember_bf16():
+        return kernels.paged_prefill_attention_bf16(
+            q_bf16, key_cache, value_cache, table, context, scale, native
+        )
+
+    reference = sdpa(torch.float32)
+    diff = (ember() - reference).abs().max().item()
+    diff_bf16 = (ember_bf16().float() - reference).abs().max().item()
     row = {
         "sdpa fp32": timed(lambda: sdpa(torch.float32), repeats),
         "sdpa bf16": timed(lambda: sdpa(torch.bfloat16), repeats),
         "ember": timed(ember, repeats),
+        f"ember bf16 ({'bf16 dot' if native else 'fp32 FMAs'})": timed(ember_bf16, repeats),
     }
     cells = ", ".join(f"{name} {ms:.2f} ms" for name, ms in row.items())
-    return f"{tokens} x {context}: {cells}; max |ember - sdpa fp32| {diff:.1e}"
+    return (
+        f"{tokens} x {context}: {cells}; max |ember - sdpa fp32| {diff:.1e}, bf16 {diff_bf16:.1e}"
+    )
 
 
 def main() -> None:

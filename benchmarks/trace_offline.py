@@ -85,6 +85,11 @@ def main() -> None:
     p.add_argument("--prefault", action="store_true")
     p.add_argument("--kernel-times", action="store_true")
     p.add_argument("--steps", action="store_true")
+    p.add_argument(
+        "--fp32-attention",
+        action="store_true",
+        help="bf16 prefill chunks attend in float32 even where the CPU has a bf16 dot product",
+    )
     args = p.parse_args()
     llm = LLM(
         None,
@@ -95,6 +100,8 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     engine, tokenizer = llm.engine, llm.get_tokenizer()
+    if args.fp32_attention:
+        engine.core.runner.model.model.layers[0].self_attn.backend.bf16_dot = False
     workload = types.SimpleNamespace(
         trace=args.trace, trace_start=0, num_requests=40, trace_block_tokens=16,
         seed=args.seed, trace_output_scale=1.0, time_scale=0,
@@ -114,8 +121,8 @@ def main() -> None:
     scheduler, shapes, step_s = engine.core.scheduler, [], []
     schedule = scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(*args):
+        out = schedule(*args)
         shapes.append(None if out.empty else out.shape())
         return out
 

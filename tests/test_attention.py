@@ -119,22 +119,35 @@ def test_unknown_backend_is_a_clear_error():
         get_attention_backend("flash", torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("bf16_dot", [True, False])
 @pytest.mark.parametrize("bf16_sdpa", [True, False])
-def test_bf16_prefill_chunks_go_to_sdpa_where_the_cpu_has_amx(bf16_sdpa, monkeypatch):
+def test_bf16_prefill_chunks_go_to_sdpa_where_the_cpu_has_amx(bf16_sdpa, bf16_dot, monkeypatch):
     """On a CPU with AMX (`bf16_sdpa`, forced here) a bf16 prefill chunk of 64 rows or more
-    attends through torch's bf16 SDPA, a shorter one through ember's kernel; the results
-    stay within bf16 rounding of causal attention either way."""
+    attends through torch's bf16 SDPA; a shorter one (every one without AMX) through
+    ember's kernel, in bf16 products where the CPU has a bf16 dot product (`bf16_dot`),
+    else in float32. The results stay within bf16 rounding of causal attention."""
     from ember.engine.attention import AMX_SDPA_MIN_ROWS, CPUPagedBackend
     from ember.engine.kernels import cpu_kernels
 
+    kernels = cpu_kernels()
+    if bf16_dot and not kernels.bf16_dot_supported():
+        pytest.skip("this CPU has no bf16 dot product (AVX512-BF16)")
     rows, sdpa_prefill = [], TorchSDPABackend._prefill
 
     def counted(q, k, v, kv_cache, seq, scale):
         rows.append(seq.query_len)
         return sdpa_prefill(q, k, v, kv_cache, seq, scale)
 
+    calls = {"bf16": 0, "fp32": 0}
+
+    class Counted:  # the kernels, counting the prefill calls of each kind
+        def __getattr__(self, name):
+            if name.startswith("paged_prefill_attention"):
+                calls["bf16" if name.endswith("bf16") else "fp32"] += 1
+            return getattr(kernels, name)
+
     monkeypatch.setattr(TorchSDPABackend, "_prefill", staticmethod(counted))
-    backend = CPUPagedBackend(cpu_kernels(), bf16_sdpa=bf16_sdpa)
+    backend = CPUPagedBackend(Counted(), bf16_sdpa=bf16_sdpa, bf16_dot=bf16_dot)
     torch.manual_seed(0)
     head_dim = 64
     kv_cache = torch.zeros(2, 64, BS, HKV, head_dim)
@@ -150,3 +163,7 @@ def test_bf16_prefill_chunks_go_to_sdpa_where_the_cpu_has_amx(bf16_sdpa, monkeyp
     for i, (q, k, v, _) in enumerate(seqs):
         torch.testing.assert_close(outs[i].float(), reference(q, k, v), atol=3e-2, rtol=0)
     assert rows == ([90] if bf16_sdpa else [])
+    kernel_calls = sum(n > 1 for n in lengths) - len(rows)  # a 1-token chunk decodes
+    assert calls == (
+        {"bf16": kernel_calls, "fp32": 0} if bf16_dot else {"bf16": 0, "fp32": kernel_calls}
+    )

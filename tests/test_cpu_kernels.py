@@ -272,6 +272,64 @@ def test_prefill_attention_reads_the_blocks_in_place_and_matches_sdpa(
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def bf16_operand_reference(q, keys, values, context_len, scale):
+    """Causal attention in float64 on bf16-rounded q, keys and values (no further rounding)."""
+    q, keys, values = (x.bfloat16().double() for x in (q, keys, values))
+    return masked_prefill_reference(q, keys, values, context_len, scale)
+
+
+@pytest.mark.parametrize(
+    "tokens, context, block_size, group",
+    [(1, 1, 16, 3), (37, 37, 16, 3), (100, 301, 16, 3), (31, 200, 5, 2), (19, 90, 16, 7),
+     (50, 131, 16, 8)],
+)  # fmt: skip
+def test_bf16_prefill_attention_is_attention_on_bf16_operands(
+    tokens, context, block_size, group, kernels
+):
+    """The bf16 kernel (bf16 q, float32 cache rounded to bf16 as it is read): within the
+    rounding of the softmax weights and of the bf16 output (2^-8 of the largest value,
+    with room) of attention computed in float64 on the rounded operands. Where this build
+    and CPU have the bf16 dot product it gives exactly what the float multiply-adds give;
+    every build runs the latter."""
+    torch.manual_seed(tokens + context)
+    num_kv_heads = 2
+    for head_dim in kernels.prefill_head_dims:
+        num_blocks = -(-context // block_size)
+        key_cache = torch.randn(num_blocks + 3, block_size, num_kv_heads, head_dim)
+        value_cache = torch.randn_like(key_cache)
+        table = torch.randperm(num_blocks + 3)[:num_blocks]
+        keys = key_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
+        values = value_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
+        q = torch.randn(tokens, num_kv_heads * group, head_dim).bfloat16()
+        scale = head_dim**-0.5
+        args = (q, key_cache, value_cache, table, context, scale)
+        out = kernels.paged_prefill_attention_bf16(*args, False)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        expected = bf16_operand_reference(q.float(), keys, values, context, scale)
+        bound = values.abs().max().item() * 2**-8
+        assert (out.double() - expected).abs().max().item() < bound
+        if kernels.bf16_dot_supported():
+            assert torch.equal(kernels.paged_prefill_attention_bf16(*args, True), out)
+
+
+def test_bf16_prefill_attention_refuses_a_dot_product_it_lacks_and_float32_q(kernels):
+    key_cache = torch.zeros(4, 16, 1, kernels.prefill_head_dims[0])
+    q = torch.zeros(3, 1, kernels.prefill_head_dims[0], dtype=torch.bfloat16)
+    if not kernels.bf16_dot_supported():
+        with pytest.raises(RuntimeError, match="no bf16 dot product"):
+            kernels.paged_prefill_attention_bf16(
+                q, key_cache, key_cache, torch.arange(4), 3, 1.0, True
+            )
+    with pytest.raises(RuntimeError, match="q in BFloat16"):
+        kernels.paged_prefill_attention_bf16(
+            q.float(), key_cache, key_cache, torch.arange(4), 3, 1.0, False
+        )
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_prefill_attention_bf16(
+            q, key_cache, key_cache, torch.tensor([7]), 3, 1.0, False
+        )
+
+
 def test_prefill_attention_refuses_what_it_has_no_build_for(kernels):
     key_cache = torch.zeros(4, 16, 1, 24)
     with pytest.raises(RuntimeError, match="head_dim 24"):

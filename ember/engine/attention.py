@@ -168,39 +168,38 @@ AMX_SDPA_MIN_ROWS = 64
 class CPUPagedBackend(TorchSDPABackend):
     """Attends with ember's C++ kernels, which read K and V blocks in place (no gathered
     copy of every context, which at 64 sequences costs more than the matmuls): decodes in
-    one batched call, prefill chunks one by one, causal without a mask. Head sizes the
-    prefill kernel has no build for go to torch's SDPA, and so do bf16 prefill chunks of
-    AMX_SDPA_MIN_ROWS or more where `bf16_sdpa` (a CPU with AMX: oneDNN's bf16 attention
-    on the tiles beats the kernel's fp32 FMAs). CPU, float32 cache."""
+    one batched call, prefill chunks one by one, causal without a mask. A bf16 prefill
+    chunk (a bf16 step) attends in bf16 products where the CPU has a bf16 dot product
+    (AVX512-BF16: 1.6-1.8x the fp32 kernel's speed, docs/benchmarks.md), and through
+    torch's bf16 SDPA from AMX_SDPA_MIN_ROWS rows where `bf16_sdpa` (a CPU with AMX:
+    oneDNN's attention on the tiles); head sizes the prefill kernels have no build for go
+    to torch's SDPA. CPU, float32 cache."""
 
-    def __init__(self, kernels, bf16_sdpa: bool | None = None) -> None:
+    def __init__(self, kernels, bf16_sdpa: bool | None = None, bf16_dot: bool | None = None):
         from ember.models.layers import cpu_has_amx
 
         self.kernels = kernels
         self.prefill_head_dims = frozenset(kernels.prefill_head_dims)
         self.bf16_sdpa = cpu_has_amx() if bf16_sdpa is None else bf16_sdpa
+        self.bf16_dot = kernels.bf16_dot_supported() if bf16_dot is None else bf16_dot
 
     def _write(self, k, v, kv_cache, slot_mapping):
         self.kernels.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
     def _prefill(self, q, k, v, kv_cache, seq: PrefillSeq, scale):
         """ember's kernel over the blocks in place (this chunk's keys are in the cache
-        already), causal without a mask, in float32 also in a bf16 step: at SmolLM2's
-        shapes 1.3-2x faster than torch's SDPA in either dtype (docs/benchmarks.md)."""
-        on_amx = self.bf16_sdpa and q.dtype == torch.bfloat16
+        already), causal without a mask; a bf16 step's chunk in bf16 products where the CPU
+        multiplies bf16 pairs, else in float32 (at SmolLM2's shapes 1.3-2x faster than
+        torch's SDPA in either dtype, docs/benchmarks.md)."""
+        bf16 = q.dtype == torch.bfloat16
         if q.shape[-1] not in self.prefill_head_dims or (
-            on_amx and seq.query_len >= AMX_SDPA_MIN_ROWS
+            bf16 and self.bf16_sdpa and seq.query_len >= AMX_SDPA_MIN_ROWS
         ):
             return super()._prefill(q, k, v, kv_cache, seq, scale)
-        out = self.kernels.paged_prefill_attention(
-            q.float().contiguous(),
-            kv_cache[0],
-            kv_cache[1],
-            seq.block_ids,
-            seq.context_len,
-            scale,
-        )
-        return out.to(q.dtype)
+        cache = (kv_cache[0], kv_cache[1], seq.block_ids, seq.context_len, scale)
+        if bf16 and self.bf16_dot:
+            return self.kernels.paged_prefill_attention_bf16(q.contiguous(), *cache, True)
+        return self.kernels.paged_prefill_attention(q.float().contiguous(), *cache).to(q.dtype)
 
     def _decode(self, q, kv_cache, meta, scale):
         return self.kernels.paged_decode_attention(

@@ -42,7 +42,7 @@ _SOURCES = (
     "small_gemm.cpp",
     "block_gemm.cpp",
 )
-_HEADERS = ("simd.h",)
+_HEADERS = ("simd.h", "prefill_bf16_tile.inc")
 _CFLAGS = ["-O3", "-fopenmp", "-fvisibility=hidden"]
 ISA_FLAGS = {
     "avx512": ["-march=x86-64-v4", "-mtune=icelake-server"],  # measured: generic tuning 10% slower

@@ -14,6 +14,12 @@
 //     grows), in float32; key tiles past a query tile's last position are never touched,
 //     and only the tiles across the diagonal are masked.
 //
+// paged_prefill_attention_bf16 is the same walk for a bf16 step: bf16 q, the keys and values
+// rounded to bf16 pairs as they are transposed, the softmax weights rounded to bf16, and
+// every product a bf16 pair's (AVX512-BF16's vdpbf16ps where the CPU has it: twice the
+// multiply-adds per instruction; elsewhere float FMAs that give the same sums, which every
+// build runs and the tests hold the former to). Scores, softmax and sums stay float32.
+//
 // q:            [T, num_heads, head_dim]                          float32, contiguous
 // key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]  float32, contiguous
 // value_cache:  same as key_cache
@@ -176,83 +182,233 @@ TileFn tile_for(int64_t head_dim) {
   return nullptr;
 }
 
+inline uint32_t bf16_bits(float f) { return c10::BFloat16(f).x; }  // rounded to nearest even
+
+// The bf16 tile on float multiply-adds: every build, and the reference for the one below
+namespace plain {
+using Pair = simd::vpair;
+using simd::pair_load;
+using simd::pair_set1;
+inline simd::vf dot2(simd::vf acc, Pair a, Pair b) {
+  acc = simd::fma(simd::pair_high(a), simd::pair_high(b), acc);  // exact products: the
+  return simd::fma(simd::pair_low(a), simd::pair_low(b), acc);   // same sums as vdpbf16ps
+}
+inline void round_pairs(simd::vf e, uint32_t* out) {
+  alignas(64) float f[kLanes];
+  simd::store(f, e);
+  for (int j = 0; j < kLanes / 2; ++j) out[j] = bf16_bits(f[2 * j]) | bf16_bits(f[2 * j + 1]) << 16;
+}
+#include "prefill_bf16_tile.inc"
+}  // namespace plain
+
+// The bf16 tile on AVX512-BF16's dot product, two products per lane per instruction: built
+// into the AVX-512 kernels under that target, run only where the CPU has it
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#define EMBER_BF16_DOT 1
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+namespace native {
+using Pair = __m512i;
+using simd::pair_load;
+using simd::pair_set1;
+inline simd::vf dot2(simd::vf acc, Pair a, Pair b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+inline void round_pairs(simd::vf e, uint32_t* out) {
+  const __m256bh pairs = _mm512_cvtneps_pbh(e);
+  std::memcpy(out, &pairs, sizeof(pairs));
+}
+#include "prefill_bf16_tile.inc"
+}  // namespace native
+#pragma GCC pop_options
+#else
+#define EMBER_BF16_DOT 0
+#endif
+
+bool bf16_dot_supported() {
+#if EMBER_BF16_DOT
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// keys_p[tile][d / 2][lane]: key (tile * kLanes + lane), dimensions d and d + 1, as a bf16
+// pair; values_p[tile][j][x]: tokens (tile * kLanes + 2j) and the next one, value entry x.
+// Past the context both are zero.
+void pair_keys_values(const float* keys, const float* values, const int64_t* table,
+                      int64_t context_len, int64_t block_size, int64_t token_stride,
+                      int64_t head_dim, int64_t tile, uint32_t* keys_p, uint32_t* values_p) {
+  const int64_t first = tile * kLanes, half_dim = head_dim / 2;
+  auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
+  for (int lane = 0; lane < kLanes; ++lane) {
+    const int64_t t = first + lane;
+    if (t >= context_len) {
+      for (int64_t d = 0; d < half_dim; ++d) keys_p[d * kLanes + lane] = 0;
+      continue;
+    }
+    const float* key = keys + slot(t);
+    for (int64_t d = 0; d < half_dim; ++d)
+      keys_p[d * kLanes + lane] = bf16_bits(key[2 * d]) | bf16_bits(key[2 * d + 1]) << 16;
+  }
+  for (int j = 0; j < kLanes / 2; ++j) {
+    const int64_t t = first + 2 * j;
+    uint32_t* out = values_p + j * head_dim;
+    const float* low = t < context_len ? values + slot(t) : nullptr;
+    const float* high = t + 1 < context_len ? values + slot(t + 1) : nullptr;
+    for (int64_t x = 0; x < head_dim; ++x)
+      out[x] = (low ? bf16_bits(low[x]) : 0u) | (high ? bf16_bits(high[x]) : 0u) << 16;
+  }
+}
+
+// What both entry points check and share: the chunk's shapes and its block table
+struct Chunk {
+  int64_t num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, token_stride;
+  int64_t num_key_tiles, rows_per_head, tiles_per_head, first_pos;
+  torch::Tensor table;
+  const int64_t* table_ptr;
+};
+
+Chunk check_chunk(const torch::Tensor& q, const torch::Tensor& key_cache,
+                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
+                  int64_t context_len, c10::ScalarType q_dtype, const char* name) {
+  TORCH_CHECK(q.dtype() == q_dtype && key_cache.dtype() == torch::kFloat32 &&
+                  value_cache.dtype() == torch::kFloat32,
+              name, ": q in ", c10::toString(q_dtype), ", a float32 cache");
+  TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              name, ": contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              name, ": q [T, H, D], caches [blocks, block_size, kv_heads, D]");
+  Chunk c;
+  c.num_tokens = q.size(0), c.num_heads = q.size(1), c.head_dim = q.size(2);
+  c.block_size = key_cache.size(1), c.num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == c.head_dim && c.num_heads % c.num_kv_heads == 0,
+              name, ": head shapes");
+  TORCH_CHECK(c.head_dim == 2 * kLanes || c.head_dim == 4 * kLanes || c.head_dim == 8 * kLanes,
+              name, ": head_dim ", c.head_dim, " is not 2, 4 or 8 vectors of ", kLanes);
+  c.table = block_table.to(torch::kInt64).contiguous();
+  TORCH_CHECK(context_len >= c.num_tokens && c.num_tokens >= 1 &&
+                  c.table.numel() * c.block_size >= context_len,
+              name, ": context_len");
+  c.table_ptr = c.table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < (context_len + c.block_size - 1) / c.block_size; ++b)
+    TORCH_CHECK(c.table_ptr[b] >= 0 && c.table_ptr[b] < key_cache.size(0),
+                name, ": block id out of range");
+  c.group = c.num_heads / c.num_kv_heads;
+  c.token_stride = c.num_kv_heads * c.head_dim;
+  c.num_key_tiles = (context_len + kLanes - 1) / kLanes;
+  c.rows_per_head = c.num_tokens * c.group;  // row = token * group + g
+  c.tiles_per_head = (c.rows_per_head + kRows - 1) / kRows;
+  c.first_pos = context_len - c.num_tokens;
+  return c;
+}
+
+// Runs attend(head, row offsets, positions, rows) on every tile of kRows query rows, all
+// KV heads, over the threads; a tile's unused rows get offset -1. Tiles come from both ends
+// of the chunk in turn: later rows see more keys, and each thread's run of work items then
+// holds cheap and dear tiles alike.
+template <class Attend>
+void for_each_tile(const Chunk& c, Attend attend) {
+  at::parallel_for(0, c.num_kv_heads * c.tiles_per_head, 1, [&](int64_t begin, int64_t end) {
+    int64_t offsets[kRows], pos[kRows];
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t head = work / c.tiles_per_head, turn = work % c.tiles_per_head;
+      const int64_t tile = turn % 2 == 0 ? turn / 2 : c.tiles_per_head - 1 - turn / 2;
+      const int64_t row0 = tile * kRows;
+      const int num_rows = static_cast<int>(std::min<int64_t>(kRows, c.rows_per_head - row0));
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = row0 + std::min(r, num_rows - 1), token = row / c.group;
+        offsets[r] = r < num_rows ? (token * c.num_heads + head * c.group + row % c.group) * c.head_dim : -1;
+        pos[r] = c.first_pos + token;
+      }
+      attend(head, offsets, pos, num_rows);
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache,
                                       torch::Tensor value_cache, torch::Tensor block_table,
                                       int64_t context_len, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && key_cache.dtype() == torch::kFloat32 &&
-                  value_cache.dtype() == torch::kFloat32,
-              "paged_prefill_attention: float32 only");
-  TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_prefill_attention: contiguous tensors only");
-  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4, "paged_prefill_attention: q [T, H, D]");
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
-              "paged_prefill_attention: head shapes");
-  const TileFn attend = tile_for(head_dim);
-  TORCH_CHECK(attend != nullptr, "paged_prefill_attention: head_dim ", head_dim,
-              " is not 2, 4 or 8 vectors of ", kLanes);
-  auto table = block_table.to(torch::kInt64).contiguous();
-  TORCH_CHECK(context_len >= num_tokens && num_tokens >= 1 &&
-                  table.numel() * block_size >= context_len,
-              "paged_prefill_attention: context_len");
-  const int64_t* table_ptr = table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < (context_len + block_size - 1) / block_size; ++b)
-    TORCH_CHECK(table_ptr[b] >= 0 && table_ptr[b] < key_cache.size(0),
-                "paged_prefill_attention: block id out of range");
-
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t num_key_tiles = (context_len + kLanes - 1) / kLanes;
-  const int64_t tile_floats = head_dim * kLanes;
-  std::vector<float> keys_t(num_kv_heads * num_key_tiles * tile_floats);
+  const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
+                              torch::kFloat32, "paged_prefill_attention");
+  const TileFn attend = tile_for(c.head_dim);
+  const int64_t tile_floats = c.head_dim * kLanes;
+  std::vector<float> keys_t(c.num_kv_heads * c.num_key_tiles * tile_floats);
   const float* k_ptr = key_cache.data_ptr<float>();
   const float* v_ptr = value_cache.data_ptr<float>();
-  at::parallel_for(0, num_kv_heads * num_key_tiles, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t head = work / num_key_tiles, tile = work % num_key_tiles;
-      transpose_keys(k_ptr + head * head_dim, table_ptr, context_len, block_size, token_stride,
-                     head_dim, tile, keys_t.data() + work * tile_floats);
+      const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
+      transpose_keys(k_ptr + head * c.head_dim, c.table_ptr, context_len, c.block_size,
+                     c.token_stride, c.head_dim, tile, keys_t.data() + work * tile_floats);
     }
   });
 
   auto out = torch::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  const int64_t rows_per_head = num_tokens * group;  // row = token * group + g
-  const int64_t tiles_per_head = (rows_per_head + kRows - 1) / kRows;
-  const int64_t first_pos = context_len - num_tokens;
   const float fscale = static_cast<float>(scale);
-  std::vector<float> zero_row(head_dim, 0.f);
-  at::parallel_for(0, num_kv_heads * tiles_per_head, 1, [&](int64_t begin, int64_t end) {
-    const float* rows[kRows];
+  std::vector<float> zero_row(c.head_dim, 0.f);
+  for_each_tile(c, [&](int64_t head, const int64_t* offsets, const int64_t* pos, int num_rows) {
+    const float* rows[kRows];  // padding rows read a zero row: computed, never stored
     float* outs[kRows];
-    int64_t pos[kRows];
-    for (int64_t work = begin; work < end; ++work) {
-      // tiles from both ends of the chunk in turn: later rows see more keys, and each
-      // thread's run of work items then holds cheap and dear tiles alike
-      const int64_t head = work / tiles_per_head, turn = work % tiles_per_head;
-      const int64_t tile = turn % 2 == 0 ? turn / 2 : tiles_per_head - 1 - turn / 2;
-      const int64_t row0 = tile * kRows;
-      const int num_rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_head - row0));
-      for (int r = 0; r < kRows; ++r) {
-        if (r < num_rows) {
-          const int64_t row = row0 + r, token = row / group, g = row % group;
-          const int64_t offset = (token * num_heads + head * group + g) * head_dim;
-          rows[r] = q_ptr + offset;
-          outs[r] = out_ptr + offset;
-          pos[r] = first_pos + token;
-        } else {
-          rows[r] = zero_row.data();
-          outs[r] = nullptr;
-          pos[r] = first_pos;
-        }
-      }
-      attend(rows, pos, num_rows, keys_t.data() + head * num_key_tiles * tile_floats,
-             v_ptr + head * head_dim, table_ptr, block_size, token_stride, fscale, outs);
+    for (int r = 0; r < kRows; ++r) {
+      rows[r] = offsets[r] >= 0 ? q_ptr + offsets[r] : zero_row.data();
+      outs[r] = offsets[r] >= 0 ? out_ptr + offsets[r] : nullptr;
     }
+    attend(rows, pos, num_rows, keys_t.data() + head * c.num_key_tiles * tile_floats,
+           v_ptr + head * c.head_dim, c.table_ptr, c.block_size, c.token_stride, fscale, outs);
+  });
+  return out;
+}
+
+// The same attention on bf16 q in bf16 products (keys, values and the softmax weights
+// rounded to bf16; scores, softmax and sums in float32), bf16 out: `bf16_dot` on
+// AVX512-BF16's dot product (bf16_dot_supported()), else on float multiply-adds that give
+// the same sums.
+torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache,
+                                           torch::Tensor value_cache, torch::Tensor block_table,
+                                           int64_t context_len, double scale, bool bf16_dot) {
+  const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
+                              torch::kBFloat16, "paged_prefill_attention_bf16");
+  TORCH_CHECK(!bf16_dot || bf16_dot_supported(),
+              "paged_prefill_attention_bf16: this CPU or build has no bf16 dot product");
+#if EMBER_BF16_DOT
+  const auto attend = bf16_dot ? native::tile_bf16_for(c.head_dim) : plain::tile_bf16_for(c.head_dim);
+#else
+  const auto attend = plain::tile_bf16_for(c.head_dim);
+#endif
+  const int64_t half_tile = c.head_dim / 2 * kLanes;  // words per key tile, and per value tile
+  std::vector<uint32_t> keys_p(c.num_kv_heads * c.num_key_tiles * half_tile);
+  std::vector<uint32_t> values_p(keys_p.size());
+  const float* k_ptr = key_cache.data_ptr<float>();
+  const float* v_ptr = value_cache.data_ptr<float>();
+  at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
+      pair_keys_values(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, c.table_ptr,
+                       context_len, c.block_size, c.token_stride, c.head_dim, tile,
+                       keys_p.data() + work * half_tile, values_p.data() + work * half_tile);
+    }
+  });
+
+  auto out = torch::empty_like(q);
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>());
+  const float fscale = static_cast<float>(scale);
+  std::vector<uint32_t> zero_row(c.head_dim / 2, 0u);
+  for_each_tile(c, [&](int64_t head, const int64_t* offsets, const int64_t* pos, int num_rows) {
+    const uint32_t* rows[kRows];  // a row's bf16 values read as pairs
+    c10::BFloat16* outs[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      rows[r] = offsets[r] >= 0 ? reinterpret_cast<const uint32_t*>(q_ptr + offsets[r]) : zero_row.data();
+      outs[r] = offsets[r] >= 0 ? out_ptr + offsets[r] : nullptr;
+    }
+    const int64_t first_word = head * c.num_key_tiles * half_tile;
+    attend(rows, pos, num_rows, keys_p.data() + first_word, values_p.data() + first_word,
+           fscale, outs);
   });
   return out;
 }
@@ -260,5 +416,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache,
 void register_prefill_attention(pybind11::module& m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal prefill attention of one chunk over a paged KV cache (CPU, float32)");
+  m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
+        "the same on bf16 q in bf16 products, bf16 out (bf16_dot: AVX512-BF16's dot product)");
+  m.def("bf16_dot_supported", &bf16_dot_supported,
+        "whether this build and CPU multiply bf16 pairs natively (AVX512-BF16)");
   m.attr("prefill_head_dims") = std::vector<int64_t>{2 * kLanes, 4 * kLanes, 8 * kLanes};
 }

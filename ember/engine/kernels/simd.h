@@ -8,6 +8,9 @@
 //   AVX2       8 lanes, __m256, SLEEF's 8-lane AVX2 expf
 //   generic    8 lanes, the compiler's vector extensions (SSE2 on x86-64, NEON on ARM)
 //
+// `vpair` holds kLanes pairs of bf16 (two per 32-bit lane, the low half first, as AVX512-BF16
+// pairs them); pair_low / pair_high widen either half to float32, exactly.
+//
 // A kernel written against `vf` with kLanes-wide chunks, one accumulator per output and
 // k in order, computes the same sums on every path up to the fused multiply-add: AVX-512
 // and AVX2 fuse, the generic path fuses only where its target has an FMA instruction.
@@ -47,6 +50,17 @@ inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf exp(vf v) { return Sleef_expf16_u10(v); }
+inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+
+// kLanes pairs of bf16, a pair per 32-bit lane (the low half first), and each half
+// widened to float32
+using vpair = __m512i;
+inline vpair pair_load(const uint32_t* p) { return _mm512_loadu_si512(p); }
+inline vpair pair_set1(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+inline vf pair_low(vpair v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline vf pair_high(vpair v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
 // kLanes bytes -> kLanes floats: unsigned, signed, low and high nibbles
 inline __m512i bytes_u(const uint8_t* p) {
@@ -104,6 +118,19 @@ inline float reduce_add(vf v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 inline vf exp(vf v) { return Sleef_expf8_u10avx2(v); }
+inline float reduce_max(vf v) {
+  const __m128 quad = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+using vpair = __m256i;
+inline vpair pair_load(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vpair pair_set1(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+inline vf pair_low(vpair v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline vf pair_high(vpair v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
 inline __m256i bytes_u(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -170,6 +197,31 @@ inline float reduce_add(vf v) {  // pairwise, as the x86 paths reduce
 inline vf exp(vf v) {
   for (int i = 0; i < kLanes; ++i) v[i] = std::exp(v[i]);
   return v;
+}
+inline float reduce_max(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::fmax(m, v[i]);
+  return m;
+}
+
+typedef uint32_t vpair __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+inline vpair pair_load(const uint32_t* p) {
+  vpair v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vpair pair_set1(uint32_t v) { return vpair{} + v; }
+inline vf pair_low(vpair v) {
+  const vpair bits = v << 16;
+  vf f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline vf pair_high(vpair v) {
+  const vpair bits = v & 0xFFFF0000u;
+  vf f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
 inline vb bytes(const uint8_t* p) {
