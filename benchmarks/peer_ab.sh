@@ -9,7 +9,9 @@
 # uninstall torchvision, torchaudio and torchcodec, which fail to load beside the CPU
 # torch). HF_DIR: a Hugging Face copy of the default model's weights (the fp32 values
 # its GGUF decodes to: see docs/benchmarks.md). WORKLOADS: any of random agentic trace
-# (default: all three). $EMBER_ARGS and $VLLM_DTYPE (default bfloat16) pick each side's
+# agentic-notools (default: the first three; agentic-notools is agentic without tool
+# definitions, like for like: SmolLM2's chat template renders no tools in vLLM, so there
+# its prompts are shorter than ember's, which describes them in the system prompt). $EMBER_ARGS and $VLLM_DTYPE (default bfloat16) pick each side's
 # mode. Results: /tmp/peer/<workload>-<round>-<side>.json and one line per run.
 set -u
 VLLM_PY=$1 HF_DIR=$(realpath "$2") ROUNDS=${3:-2} WORKLOADS=${4:-random agentic trace}
@@ -22,7 +24,8 @@ EMBER=$!
 exec_vllm() {
   exec "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
       --served-model-name smollm2 --dtype "${VLLM_DTYPE:-bfloat16}" --max-model-len 4096 \
-      --port 8101 --host 127.0.0.1 --enable-auto-tool-choice --tool-call-parser hermes
+      --port 8101 --host 127.0.0.1 --enable-auto-tool-choice --tool-call-parser hermes \
+      --enable-prompt-tokens-details
 }
 (VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 exec_vllm > /tmp/peer/vllm.log 2>&1) &
 VLLM=$!
@@ -33,6 +36,7 @@ done
 declare -A ARGS=(
   [random]="--workload random --num-requests 16 --max-concurrency 4 --input-len 286 --output-len 64"
   [agentic]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 4 --tool-tokens 32 --turn-tokens 48 --output-len 32 --max-concurrency 4"
+  [agentic-notools]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 0 --turn-tokens 48 --output-len 32 --max-concurrency 4"
   [trace]="--workload trace --trace $TRACE --num-requests 40 --trace-block-tokens 16 --time-scale 0 --max-concurrency 8"
 )
 for round in $(seq "$ROUNDS"); do

@@ -213,10 +213,26 @@ def test_rotary_rotates_strided_heads_in_place(kernels):
     torch.testing.assert_close(qkv[:, 8:], untouched)
 
 
-def test_silu_and_mul(kernels):
-    gate_up = torch.randn(3, 256)
-    expected = F.silu(gate_up[:, :128]) * gate_up[:, 128:]
+@pytest.mark.parametrize("width", [128, 1536, 37])  # 37: not a whole vector
+def test_silu_and_mul(kernels, width):
+    gate_up = torch.randn(3, 2 * width)
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("width", [1536, 37])
+def test_silu_and_mul_in_bf16_rounds_the_float32_product_once(kernels, width):
+    """bf16 in, bf16 out (a bf16 step's MLP): within a bf16 rounding of the product
+    computed in float64 on the bf16 inputs, gates large enough to saturate the sigmoid
+    included; rows may be strided (a view of a wider tensor)."""
+    torch.manual_seed(width)
+    wide = (torch.randn(5, 2 * width + 8) * 6).bfloat16()
+    gate_up = wide[:, : 2 * width]
+    gate, up = gate_up.double().split(width, dim=1)
+    expected = gate * torch.sigmoid(gate) * up
+    out = kernels.silu_and_mul(gate_up)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, width)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-30)
 
 
 def test_write_kv_stores_rows_at_their_slots(kernels):

@@ -393,7 +393,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    kernels = cpu_kernels_for(gate_up)
+    """silu(gate) * up of gate_up [T, 2I]: one fused pass on CPU in fp32 and in bf16 (a bf16
+    step's MLP, where torch's silu and mul took 6% of a prefill)."""
+    kernels = None
+    if gate_up.device.type == "cpu" and gate_up.dtype in (torch.float32, torch.bfloat16):
+        from ember.engine.kernels import cpu_kernels
+
+        kernels = cpu_kernels() if gate_up.dim() == 2 and gate_up.stride(-1) == 1 else None
     if kernels is not None:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

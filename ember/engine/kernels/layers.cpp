@@ -1,9 +1,12 @@
-// Fused elementwise kernels for the decoder layer (CPU, float32): each replaces a
+// Fused elementwise kernels for the decoder layer (CPU, float32; silu_and_mul also bf16,
+// for bf16 prefill steps): each replaces a
 // handful of torch ops, which at decode batch sizes cost more in dispatch than in math.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+
+#include "simd.h"
 
 namespace {
 
@@ -76,13 +79,45 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
-// silu(gate) * up for gate_up [T, 2I] -> [T, I]: ATen's vectorized silu (a scalar expf
-// loop here ran 5x slower on prefill-sized rows), then the product in place.
+// silu(gate) * up for gate_up [T, 2I] -> [T, I], float32 or bf16 (out in the same dtype,
+// a bf16 result rounded once from the float32 product), in one pass over the rows.
+template <class T>
+void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {
+  const simd::vf one = simd::set1(1.f);
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * in_stride;
+      const T* up = gate + inter;
+      T* y = out + r * inter;
+      int64_t i = 0;
+      for (; i + simd::kLanes <= inter; i += simd::kLanes) {
+        const simd::vf g = simd::load(gate + i);
+        const simd::vf silu = simd::div(g, simd::add(one, simd::exp(simd::sub(simd::zero(), g))));
+        simd::store(y + i, simd::mul(silu, simd::load(up + i)));
+      }
+      for (; i < inter; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        y[i] = static_cast<T>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  check_float_rows(gate_up, "silu_and_mul");
-  const int64_t inter = gate_up.size(1) / 2;
-  auto out = at::silu(gate_up.narrow(1, 0, inter));
-  return out.mul_(gate_up.narrow(1, inter, inter));
+  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 || gate_up.dtype() == torch::kBFloat16,
+              "silu_and_mul: float32 or bfloat16");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: 2-D [T, 2I] with contiguous rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  if (gate_up.dtype() == torch::kFloat32) {
+    silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows, inter);
+  } else {
+    silu_mul_rows(reinterpret_cast<const c10::BFloat16*>(gate_up.data_ptr<at::BFloat16>()),
+                  gate_up.stride(0), reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()),
+                  rows, inter);
+  }
+  return out;
 }
 
 // Stores k and v [T, Hkv, D] (token rows may be strided) at flat slots of the caches

@@ -47,6 +47,14 @@ inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+// kLanes floats to bf16, rounded to nearest even (integer ops: no AVX512-BF16 needed)
+inline void store(c10::BFloat16* p, vf v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf exp(vf v) { return Sleef_expf16_u10(v); }
@@ -111,6 +119,14 @@ inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline void store(c10::BFloat16* p, vf v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
 inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) {
   const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -188,6 +204,10 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline vf add(vf a, vf b) { return a + b; }
 inline vf sub(vf a, vf b) { return a - b; }
 inline vf mul(vf a, vf b) { return a * b; }
+inline vf div(vf a, vf b) { return a / b; }
+inline void store(c10::BFloat16* p, vf v) {
+  for (int i = 0; i < kLanes; ++i) p[i] = c10::BFloat16(v[i]);
+}
 inline vf fma(vf a, vf b, vf c) { return a * b + c; }
 inline float reduce_add(vf v) {  // pairwise, as the x86 paths reduce
   float four[4];
