@@ -182,8 +182,6 @@ TileFn tile_for(int64_t head_dim) {
   return nullptr;
 }
 
-inline uint32_t bf16_bits(float f) { return c10::BFloat16(f).x; }  // rounded to nearest even
-
 // The bf16 tile on float multiply-adds: every build, and the reference for the one below
 namespace plain {
 using Pair = simd::vpair;
@@ -194,9 +192,7 @@ inline simd::vf dot2(simd::vf acc, Pair a, Pair b) {
   return simd::fma(simd::pair_low(a), simd::pair_low(b), acc);   // same sums as vdpbf16ps
 }
 inline void round_pairs(simd::vf e, uint32_t* out) {
-  alignas(64) float f[kLanes];
-  simd::store(f, e);
-  for (int j = 0; j < kLanes / 2; ++j) out[j] = bf16_bits(f[2 * j]) | bf16_bits(f[2 * j + 1]) << 16;
+  simd::store(reinterpret_cast<c10::BFloat16*>(out), e);  // kLanes bf16: kLanes / 2 pairs
 }
 #include "prefill_bf16_tile.inc"
 }  // namespace plain
@@ -241,6 +237,8 @@ void pair_keys_values(const float* keys, const float* values, const int64_t* tab
                       int64_t head_dim, int64_t tile, uint32_t* keys_p, uint32_t* values_p) {
   const int64_t first = tile * kLanes, half_dim = head_dim / 2;
   auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
+  alignas(64) c10::BFloat16 row[8 * kLanes];  // one key in bf16: its pairs, in order
+  const uint32_t* row_pairs = reinterpret_cast<const uint32_t*>(row);
   for (int lane = 0; lane < kLanes; ++lane) {
     const int64_t t = first + lane;
     if (t >= context_len) {
@@ -248,16 +246,17 @@ void pair_keys_values(const float* keys, const float* values, const int64_t* tab
       continue;
     }
     const float* key = keys + slot(t);
-    for (int64_t d = 0; d < half_dim; ++d)
-      keys_p[d * kLanes + lane] = bf16_bits(key[2 * d]) | bf16_bits(key[2 * d + 1]) << 16;
+    for (int64_t x = 0; x < head_dim; x += kLanes) simd::store(row + x, simd::load(key + x));
+    for (int64_t d = 0; d < half_dim; ++d) keys_p[d * kLanes + lane] = row_pairs[d];
   }
   for (int j = 0; j < kLanes / 2; ++j) {
     const int64_t t = first + 2 * j;
     uint32_t* out = values_p + j * head_dim;
     const float* low = t < context_len ? values + slot(t) : nullptr;
     const float* high = t + 1 < context_len ? values + slot(t + 1) : nullptr;
-    for (int64_t x = 0; x < head_dim; ++x)
-      out[x] = (low ? bf16_bits(low[x]) : 0u) | (high ? bf16_bits(high[x]) : 0u) << 16;
+    for (int64_t x = 0; x < head_dim; x += kLanes)
+      simd::pair_store(out + x, simd::bf16_pairs(low ? simd::load(low + x) : simd::zero(),
+                                                 high ? simd::load(high + x) : simd::zero()));
   }
 }
 

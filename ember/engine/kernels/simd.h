@@ -48,13 +48,6 @@ inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
-// kLanes floats to bf16, rounded to nearest even (integer ops: no AVX512-BF16 needed)
-inline void store(c10::BFloat16* p, vf v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf exp(vf v) { return Sleef_expf16_u10(v); }
@@ -68,6 +61,21 @@ inline vpair pair_set1(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v
 inline vf pair_low(vpair v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline vf pair_high(vpair v) {
   return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void pair_store(uint32_t* p, vpair v) { _mm512_storeu_si512(p, v); }
+// each lane rounded to bf16 (nearest even; a NaN stays a NaN), in the lane's low 16 bits:
+// integer ops, no AVX512-BF16 needed
+inline vpair round_bf16(vf v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+}
+inline vpair bf16_pairs(vf low, vf high) {
+  return _mm512_or_si512(round_bf16(low), _mm512_slli_epi32(round_bf16(high), 16));
+}
+inline void store(c10::BFloat16* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round_bf16(v)));
 }
 
 // kLanes bytes -> kLanes floats: unsigned, signed, low and high nibbles
@@ -120,13 +128,6 @@ inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
-inline void store(c10::BFloat16* p, vf v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
 inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) {
   const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -146,6 +147,22 @@ inline vpair pair_set1(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v
 inline vf pair_low(vpair v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline vf pair_high(vpair v) {
   return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void pair_store(uint32_t* p, vpair v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline vpair round_bf16(vf v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline vpair bf16_pairs(vf low, vf high) {
+  return _mm256_or_si256(round_bf16(low), _mm256_slli_epi32(round_bf16(high), 16));
+}
+inline void store(c10::BFloat16* p, vf v) {
+  const __m256i rounded = round_bf16(v);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
 inline __m256i bytes_u(const uint8_t* p) {
@@ -205,9 +222,6 @@ inline vf add(vf a, vf b) { return a + b; }
 inline vf sub(vf a, vf b) { return a - b; }
 inline vf mul(vf a, vf b) { return a * b; }
 inline vf div(vf a, vf b) { return a / b; }
-inline void store(c10::BFloat16* p, vf v) {
-  for (int i = 0; i < kLanes; ++i) p[i] = c10::BFloat16(v[i]);
-}
 inline vf fma(vf a, vf b, vf c) { return a * b + c; }
 inline float reduce_add(vf v) {  // pairwise, as the x86 paths reduce
   float four[4];
@@ -242,6 +256,16 @@ inline vf pair_high(vpair v) {
   vf f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+inline void pair_store(uint32_t* p, vpair v) { std::memcpy(p, &v, sizeof(v)); }
+inline vpair round_bf16(vf v) {
+  vpair out;
+  for (int i = 0; i < kLanes; ++i) out[i] = c10::BFloat16(v[i]).x;
+  return out;
+}
+inline vpair bf16_pairs(vf low, vf high) { return round_bf16(low) | round_bf16(high) << 16; }
+inline void store(c10::BFloat16* p, vf v) {
+  for (int i = 0; i < kLanes; ++i) p[i] = c10::BFloat16(v[i]);
 }
 
 inline vb bytes(const uint8_t* p) {
