@@ -170,7 +170,7 @@ class CPUPagedBackend(TorchSDPABackend):
     copy of every context, which at 64 sequences costs more than the matmuls): decodes in
     one batched call, prefill chunks one by one, causal without a mask. A bf16 prefill
     chunk (a bf16 step) attends in bf16 products where the CPU has a bf16 dot product
-    (AVX512-BF16: 1.6-1.8x the fp32 kernel's speed, docs/benchmarks.md), and through
+    (AVX512-BF16: 1.4-1.7x the fp32 kernel's speed, docs/benchmarks.md), and through
     torch's bf16 SDPA from AMX_SDPA_MIN_ROWS rows where `bf16_sdpa` (a CPU with AMX:
     oneDNN's attention on the tiles); head sizes the prefill kernels have no build for go
     to torch's SDPA. CPU, float32 cache."""
