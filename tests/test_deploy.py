@@ -155,7 +155,7 @@ def test_a_package_install_carries_every_kernel_source():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = data["package-data"]["ember.engine.kernels"]
     kernels = ROOT / "ember" / "engine" / "kernels"
-    sources = {p.name for p in kernels.iterdir() if p.suffix in (".cpp", ".h", ".hpp")}
+    sources = {p.name for p in kernels.iterdir() if p.suffix in (".cpp", ".h", ".hpp", ".inc")}
     carried = {p.name for pattern in patterns for p in kernels.glob(pattern)}
     assert sources and sources <= carried
     included = set(re.findall(r'#include "([^"]+)"', " ".join(
