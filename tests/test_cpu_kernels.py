@@ -261,6 +261,19 @@ def masked_prefill_reference(q, keys, values, context_len, scale):
     return out[0].transpose(0, 1)
 
 
+def paged_chunk(tokens, context, block_size, group, num_kv_heads, head_dim):
+    """A chunk's q and a shuffled paged cache holding its context: (q, key_cache,
+    value_cache, block table, the context's keys, its values)."""
+    num_blocks = -(-context // block_size)
+    key_cache = torch.randn(num_blocks + 3, block_size, num_kv_heads, head_dim)
+    value_cache = torch.randn_like(key_cache)
+    table = torch.randperm(num_blocks + 3)[:num_blocks]
+    keys = key_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
+    values = value_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
+    q = torch.randn(tokens, num_kv_heads * group, head_dim)
+    return q, key_cache, value_cache, table, keys, values
+
+
 # the tile holds 24 query rows (AVX-512) or 12 (8-lane builds): chunks of 1 row, of less
 # than a tile, of several tiles with a partial last one; contexts that end mid-vector,
 # blocks smaller and larger than a vector of keys, every group size up to 8
@@ -275,13 +288,9 @@ def test_prefill_attention_reads_the_blocks_in_place_and_matches_sdpa(
     torch.manual_seed(tokens + context)
     num_kv_heads = 2
     for head_dim in kernels.prefill_head_dims:
-        num_blocks = -(-context // block_size)
-        key_cache = torch.randn(num_blocks + 3, block_size, num_kv_heads, head_dim)
-        value_cache = torch.randn_like(key_cache)
-        table = torch.randperm(num_blocks + 3)[:num_blocks]
-        keys = key_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
-        values = value_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
-        q = torch.randn(tokens, num_kv_heads * group, head_dim)
+        q, key_cache, value_cache, table, keys, values = paged_chunk(
+            tokens, context, block_size, group, num_kv_heads, head_dim
+        )
         scale = head_dim**-0.5
         out = kernels.paged_prefill_attention(q, key_cache, value_cache, table, context, scale)
         expected = masked_prefill_reference(q, keys, values, context, scale)
@@ -310,13 +319,10 @@ def test_bf16_prefill_attention_is_attention_on_bf16_operands(
     torch.manual_seed(tokens + context)
     num_kv_heads = 2
     for head_dim in kernels.prefill_head_dims:
-        num_blocks = -(-context // block_size)
-        key_cache = torch.randn(num_blocks + 3, block_size, num_kv_heads, head_dim)
-        value_cache = torch.randn_like(key_cache)
-        table = torch.randperm(num_blocks + 3)[:num_blocks]
-        keys = key_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
-        values = value_cache[table].reshape(-1, num_kv_heads, head_dim)[:context]
-        q = torch.randn(tokens, num_kv_heads * group, head_dim).bfloat16()
+        q, key_cache, value_cache, table, keys, values = paged_chunk(
+            tokens, context, block_size, group, num_kv_heads, head_dim
+        )
+        q = q.bfloat16()
         scale = head_dim**-0.5
         args = (q, key_cache, value_cache, table, context, scale)
         out = kernels.paged_prefill_attention_bf16(*args, False)

@@ -1,6 +1,6 @@
-// Fused elementwise kernels for the decoder layer (CPU, float32; silu_and_mul also bf16,
-// for bf16 prefill steps): each replaces a
-// handful of torch ops, which at decode batch sizes cost more in dispatch than in math.
+// Fused elementwise kernels for the decoder layer (CPU, float32; silu_and_mul also bf16, for
+// bf16 prefill steps): each replaces a handful of torch ops, which at decode batch sizes
+// cost more in dispatch than in math.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
