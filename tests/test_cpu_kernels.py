@@ -124,6 +124,30 @@ def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows, ker
     assert (error <= 1e-5 * (x.abs() @ w.abs().T + b.abs())).all()
 
 
+@pytest.mark.parametrize("name", HALF_FIELDS)
+def test_dequantize_blocks_is_gguf_py_bit_for_bit(name, kernels):
+    """The loader's fast path (every code, every packed sub-block scale) against gguf-py's
+    reference dequantizer."""
+    import gguf
+
+    out_features, in_features = BLOCK_GEMM_SHAPES[block_shape(name)[0]]
+    blocks = random_blocks(name, out_features, in_features, seed=7)
+    reference = gguf.quants.dequantize(blocks.flatten(1).numpy(), gguf.GGMLQuantizationType[name])
+    weights = kernels.dequantize_blocks(blocks)
+    assert weights.shape == (out_features, in_features)
+    assert torch.equal(weights, torch.from_numpy(reference))
+    # any number of rows, one block each (the loader hands over a tensor's blocks flat)
+    flat = blocks.flatten(0, 1).unsqueeze(1)
+    assert torch.equal(kernels.dequantize_blocks(flat).flatten(), weights.flatten())
+
+
+def test_dequantize_blocks_refuses_what_it_cannot_decode(kernels):
+    with pytest.raises(RuntimeError, match="none of Q4_0"):
+        kernels.dequantize_blocks(torch.zeros(4, 2, 19, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="3-D uint8"):
+        kernels.dequantize_blocks(torch.zeros(4, 18, dtype=torch.uint8))
+
+
 def quantized_int8(x: torch.Tensor) -> torch.Tensor:
     """x as the int8 path sees it: each 32 values rounded (ties to even) to dx * q, dx = max
     |x| / 127, q = x * (127 / max |x|) in fp32; the values dx * q themselves, in float64."""
@@ -383,6 +407,21 @@ def test_a_build_killed_mid_way_does_not_block_the_next_one():
     subprocess.run([sys.executable, "-c", load], check=True, timeout=600)
     assert not stale.exists()
     assert (directory / _STAMP).exists()
+
+
+def test_built_cpu_kernels_never_compiles(tmp_path, monkeypatch):
+    """The GGUF loader's accessor: a finished build loads, a missing one gives None at once
+    (no compiler run: the build directory stays empty)."""
+    from ember import envs
+    from ember.engine import kernels as module
+
+    monkeypatch.setattr(module, "_asked", set())
+    assert module.built_cpu_kernels() is cpu_kernels()  # this checkout's build is there
+    monkeypatch.setattr(module, "_asked", set())
+    monkeypatch.setattr(envs, "cache_dir", lambda: tmp_path)
+    assert module.built_cpu_kernels() is None
+    (directory,) = (tmp_path / "kernels").iterdir()
+    assert directory.name.startswith(module.selected_isa()) and not any(directory.iterdir())
 
 
 AMD_AVX2 = frozenset("fpu sse2 avx avx2 bmi1 bmi2 f16c fma abm movbe xsave".split())

@@ -163,7 +163,7 @@ def parse_phases(metrics_text: str) -> list[dict]:
     return sorted(phases.values(), key=lambda p: (p.get("at_s", 0.0), p["process"] != "api"))
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_server(process: subprocess.Popen) -> None:
     """SIGTERM (the server stops its engine core), SIGKILL to the group on timeout."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -180,7 +180,7 @@ def cold_start(path: Path, port: int, serve_args: list[str]) -> dict:
     chat completion, the CPU seconds it used, and its own phases."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    cpu_before = _children_cpu_s()
+    cpu_before = children_cpu_s()
     with tempfile.TemporaryFile() as log:
         t0 = time.perf_counter()
         process = _spawn_server(path, port, serve_args, log)
@@ -189,16 +189,16 @@ def cold_start(path: Path, port: int, serve_args: list[str]) -> dict:
             phases = read_phases(url)
             t_chat = _first_chat(url)
         finally:
-            _stop(process)
+            stop_server(process)
     return {
         "ready_s": t_ready - t0,
         "first_chat_s": t_chat - t0,
-        "cpu_s": _children_cpu_s() - cpu_before,
+        "cpu_s": children_cpu_s() - cpu_before,
         "phases": phases,
     }
 
 
-def _children_cpu_s() -> float:
+def children_cpu_s() -> float:
     """CPU seconds of the waited-for descendants (the server, and its core, which it waits for)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime

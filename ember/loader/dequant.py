@@ -1,8 +1,12 @@
-"""Dequantizing GGUF tensors: the common block types in torch, the rest through gguf-py.
+"""Dequantizing GGUF tensors: ember's C++ decoders where they are built, the common
+block types in torch otherwise, the rest through gguf-py.
 
-gguf-py's reference code is plain single-threaded numpy; for Q4_0, Q4_1 and Q8_0 (what
-small default models ship as) ember does the same float32 arithmetic with torch ops,
-which run on every core: bit-identical results, a few times faster at load time.
+gguf-py's reference code is plain single-threaded numpy. Where ember's CPU kernels are
+built already, `dequantize_blocks` decodes every block type the decode steps read
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) with the block GEMM's own decoders;
+otherwise Q4_0, Q4_1 and Q8_0 (what small default models ship as) go through the same
+float32 arithmetic in torch ops. Either way the results are gguf-py's, bit for bit, and
+several times faster at load time.
 
 Block layouts (fp16 scale d, fp16 minimum m, 4-bit q low nibbles first, then high):
     Q4_0  [d | 16 bytes of q]          w = d * (q - 8)
@@ -15,6 +19,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import torch
+
+from ember.engine.kernels import built_cpu_kernels
 
 _QT = gguf.GGMLQuantizationType
 
@@ -43,11 +49,22 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 _TORCH_KERNELS = {_QT.Q4_0: _q4_0, _QT.Q4_1: _q4_1, _QT.Q8_0: _q8_0}
 
 
+# the block types ember's C++ decoders read (the block GEMM's formats)
+_CPP_TYPES = frozenset(
+    {_QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K}
+)
+
+
 def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """float32 values of `data` (rows of raw blocks, as gguf gives them)."""
+    kernels = built_cpu_kernels() if qtype in _CPP_TYPES else None
     kernel = _TORCH_KERNELS.get(qtype)
-    if kernel is None:
+    if kernels is None and kernel is None:
         return gguf.quants.dequantize(data, qtype)
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(-1, type_size)
-    return kernel(blocks).reshape(*data.shape[:-1], -1).numpy()
+    if kernels is not None:
+        weights = kernels.dequantize_blocks(blocks.unsqueeze(0))
+    else:
+        weights = kernel(blocks)
+    return weights.reshape(*data.shape[:-1], -1).numpy()

@@ -99,12 +99,17 @@ def selected_isa() -> str:
     return forced
 
 
-def _build_directory(isa: str) -> Path:
+@functools.cache
+def _build_key(isa: str) -> str:
     digest = hashlib.sha256(str(_HERE).encode())
     digest.update(" ".join(_CFLAGS + ISA_FLAGS[isa]).encode())
     for name in _SOURCES + _HEADERS:
         digest.update((_HERE / name).read_bytes())
-    path = envs.cache_dir() / "kernels" / f"{isa}-{digest.hexdigest()[:16]}"
+    return digest.hexdigest()[:16]
+
+
+def _build_directory(isa: str) -> Path:
+    path = envs.cache_dir() / "kernels" / f"{isa}-{_build_key(isa)}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -127,8 +132,22 @@ def cpu_kernels(isa: str | None = None):
     return _kernels(isa or selected_isa())
 
 
+def built_cpu_kernels():
+    """`cpu_kernels()` where its build is loaded or finished already, else None (never a
+    compile): for callers that want the kernels only at no cost, such as the GGUF loader,
+    which runs for models on a GPU too."""
+    isa = selected_isa()
+    if isa in _asked or (_build_directory(isa) / _STAMP).exists():
+        return _kernels(isa)
+    return None
+
+
+_asked: set[str] = set()  # the builds this process has loaded or tried
+
+
 @functools.cache
 def _kernels(isa: str):
+    _asked.add(isa)
     name = f"ember_cpu_kernels_{isa}"
     try:
         start = time.perf_counter()
