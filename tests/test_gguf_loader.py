@@ -380,6 +380,51 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
     )
 
 
+@pytest.mark.parametrize("case", ["llama-k-quants", "llama-Q8_0-tied"])
+def test_bf16_prefill_over_blocks_keeps_no_fp32_weights(tmp_path: Path, monkeypatch, case) -> None:
+    """Under matmul_precision bf16 a matmul with GGUF blocks reads only them and its bf16
+    copy: the fp32 W goes (its shape kept on the meta device), the same greedy tokens as
+    with it; a tied head's W, the embedding table, stays."""
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+    from ember.engine.model_runner import module_weight_bytes
+    from ember.models.layers import Linear
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES[case])
+    options = dict(kv_cache_memory=1 << 24, matmul_precision="bf16", decode_activations="fp32")
+    llm = LLM(str(path), **options)
+    model = llm.engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    dropped = [m for m in linears if m.weight.is_meta]
+    assert dropped and all(m.block_list and m.packed is not None for m in dropped)
+    assert all(m.weight.shape == (m.packed.size(0), m.packed.size(1)) for m in dropped)
+    kept = [m for m in linears if not m.weight.is_meta]
+    assert [m.weight is model.model.embed_tokens.weight for m in kept] == (
+        [True] if BLOCK_CASES[case].get("tied") else []
+    )
+    # the weights' bytes no longer count the fp32 copies
+    fp32 = sum(m.weight.numel() * 4 for m in dropped)
+    init = Linear.__init__
+
+    def shared(self, *args, **kwargs):  # as if other code read every W: all stay
+        init(self, *args, **kwargs)
+        self.weight_shared = True
+
+    monkeypatch.setattr(Linear, "__init__", shared)
+    keeping = LLM(str(path), **options)
+    kept_model = keeping.engine.core.runner.model
+    assert not any(m.weight.is_meta for m in kept_model.modules() if isinstance(m, Linear))
+    assert module_weight_bytes(kept_model) - module_weight_bytes(model) == fp32
+    prompts = [[(5 * i + j) % (VOCAB - 3) + 3 for i in range(3 + 20 * j)] for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for a, b in zip(llm.generate(prompts, params), keeping.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 @pytest.mark.skipif(not cpu_has_bf16(), reason="needs AMX or AVX-512 BF16")
 def test_drafts_of_few_sequences_verify_on_the_blocks_as_their_decodes_run(
     tmp_path: Path, every_draft

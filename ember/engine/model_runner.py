@@ -577,6 +577,8 @@ def module_weight_bytes(module: torch.nn.Module) -> int:
         if isinstance(getattr(m, name, None), torch.Tensor)
     ]
     for tensor in tensors:
+        if tensor.is_meta:  # a weight whose matmuls read only its blocks and packed copy
+            continue
         if tensor.is_mkldnn or tensor.layout != torch.strided:  # oneDNN's opaque copy
             key, size = id(tensor), tensor.numel() * tensor.element_size()
         else:

@@ -82,6 +82,7 @@ class MLAttention(nn.Module):
         rope = config.rope
         if rope.rope_type != "default" and rope.mscale_all_dim:  # yarn's softmax scale
             self.scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        self.kv_b_proj.weight_shared = True  # MLAWeights reads it
         self.weights = MLAWeights(
             self.kv_b_proj.weight,
             heads,

@@ -107,6 +107,9 @@ class Linear(nn.Module):
         self.int8_max_rows = 0
         self.int8_gemm = None
         self._block_parts: dict[int, torch.Tensor] = {}
+        # other code reads W itself (a tied embedding table, MLA's absorbed kv_b_proj):
+        # pack_for_cpu keeps it whatever the matmuls read
+        self.weight_shared = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -203,6 +206,17 @@ class Linear(nn.Module):
         else:
             self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
+        # bf16 prefill over the blocks: every row count now reads the blocks (up to
+        # BLOCK_GEMM_MAX_ROWS) or the bf16 copy (BF16_MIN_ROWS and up), never the fp32 W,
+        # which goes (4 bytes a weight, twice the bf16 copy); its shape stays, on the meta
+        # device, so that a read of it fails loudly. W read by other code stays.
+        if (
+            bf16_prefill
+            and self.block_gemm is not None
+            and BF16_MIN_ROWS <= BLOCK_GEMM_MAX_ROWS + 1
+            and not self.weight_shared
+        ):
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), False)
 
 
 def use_int8_activations(model: nn.Module) -> None:

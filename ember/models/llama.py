@@ -339,6 +339,7 @@ class LlamaForCausalLM(nn.Module):
         )
         if config.tie_word_embeddings and first_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight_shared = True
         self._params: dict[str, nn.Parameter] | None = None  # by name, for shard_of
         self._experts: ExpertTensors | None = None  # (also for shard_of)
 
@@ -362,6 +363,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu(bf16_prefill, weight_dtype)
             elif isinstance(module, Experts):
                 module.pack_for_cpu(weight_dtype)
+        self._params = None  # (a Linear may have let its fp32 weight go)
         backend = self.model.local_layers[0].self_attn.backend
         fusable = not self.config.qk_norm and self.config.moe is None
         if isinstance(backend, CPUPagedBackend) and fusable:
