@@ -380,11 +380,12 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
     )
 
 
+@pytest.mark.parametrize("precision", ["bf16", "ieee"])
 @pytest.mark.parametrize("case", ["llama-k-quants", "llama-Q8_0-tied"])
-def test_bf16_prefill_over_blocks_keeps_no_fp32_weights(tmp_path: Path, monkeypatch, case) -> None:
-    """Under matmul_precision bf16 a matmul with GGUF blocks reads only them and its bf16
-    copy: the fp32 W goes (its shape kept on the meta device), the same greedy tokens as
-    with it; a tied head's W, the embedding table, stays."""
+def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, case, precision):
+    """A matmul with GGUF blocks reads only them and its packed copy (bf16 or fp32): the
+    fp32 W goes (its shape kept on the meta device), with the same greedy tokens as with
+    it; a tied head's W, the embedding table, stays."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels
     from ember.engine.model_runner import module_weight_bytes
@@ -395,13 +396,16 @@ def test_bf16_prefill_over_blocks_keeps_no_fp32_weights(tmp_path: Path, monkeypa
     monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES[case])
-    options = dict(kv_cache_memory=1 << 24, matmul_precision="bf16", decode_activations="fp32")
+    options = dict(kv_cache_memory=1 << 24, matmul_precision=precision, decode_activations="fp32")
     llm = LLM(str(path), **options)
     model = llm.engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     dropped = [m for m in linears if m.weight.is_meta]
     assert dropped and all(m.block_list and m.packed is not None for m in dropped)
     assert all(m.weight.shape == (m.packed.size(0), m.packed.size(1)) for m in dropped)
+    assert {m.packed.dtype for m in dropped} == {
+        torch.bfloat16 if precision == "bf16" else torch.float32
+    }
     kept = [m for m in linears if not m.weight.is_meta]
     assert [m.weight is model.model.embed_tokens.weight for m in kept] == (
         [True] if BLOCK_CASES[case].get("tied") else []

@@ -206,14 +206,14 @@ class Linear(nn.Module):
         else:
             self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
-        # bf16 prefill over the blocks: every row count now reads the blocks (up to
-        # BLOCK_GEMM_MAX_ROWS) or the bf16 copy (BF16_MIN_ROWS and up), never the fp32 W,
-        # which goes (4 bytes a weight, twice the bf16 copy); its shape stays, on the meta
-        # device, so that a read of it fails loudly. W read by other code stays.
+        # with blocks, every row count now reads them (up to BLOCK_GEMM_MAX_ROWS) or the
+        # packed copy (from BF16_MIN_ROWS, or PACKED_MIN_ROWS in fp32), never the fp32 W,
+        # which goes (4 bytes a weight); its shape stays, on the meta device, so that a
+        # read of it fails loudly. A W that other code reads stays.
+        packed_from = BF16_MIN_ROWS if bf16_prefill else PACKED_MIN_ROWS
         if (
-            bf16_prefill
-            and self.block_gemm is not None
-            and BF16_MIN_ROWS <= BLOCK_GEMM_MAX_ROWS + 1
+            self.block_gemm is not None
+            and packed_from <= BLOCK_GEMM_MAX_ROWS + 1
             and not self.weight_shared
         ):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), False)
