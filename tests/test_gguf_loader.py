@@ -23,7 +23,7 @@ from kquant import quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, load_gguf_checkpoint
 
-from ember.loader import default_models
+from ember.loader import default_models, gguf_loader
 from ember.loader.checkpoint import open_checkpoint
 from ember.loader.default_models import MODEL_ALIASES, WheelModel, resolve_model
 from ember.loader.gguf_index import gguf_tokenizer
@@ -383,9 +383,10 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
 @pytest.mark.parametrize("precision", ["bf16", "ieee"])
 @pytest.mark.parametrize("case", ["llama-k-quants", "llama-Q8_0-tied"])
 def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, case, precision):
-    """A matmul with GGUF blocks reads only them and its packed copy (bf16 or fp32): the
-    fp32 W goes (its shape kept on the meta device), with the same greedy tokens as with
-    it; a tied head's W, the embedding table, stays."""
+    """A matmul with GGUF blocks reads only them and its packed copy (bf16 or fp32), made
+    from the blocks: its fp32 W is neither read from the file nor kept (its shape stays, on
+    the meta device), with the same greedy tokens as with it; a tied head's W, the
+    embedding table, stays."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels
     from ember.engine.model_runner import module_weight_bytes
@@ -397,7 +398,14 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES[case])
     options = dict(kv_cache_memory=1 << 24, matmul_precision=precision, decode_activations="fp32")
+    read = []  # the GGUF tensors the loader dequantized
+    dequantize = gguf_loader._dequantize
+    monkeypatch.setattr(
+        gguf_loader, "_dequantize", lambda t, data=None: read.append(t.name) or dequantize(t, data)
+    )
     llm = LLM(str(path), **options)
+    # a matmul weight is not even read: its packed copy is made from its blocks
+    assert read and all("norm" in name or name == "token_embd.weight" for name in read)
     model = llm.engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     dropped = [m for m in linears if m.weight.is_meta]
@@ -419,7 +427,9 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
         self.weight_shared = True
 
     monkeypatch.setattr(Linear, "__init__", shared)
+    read.clear()
     keeping = LLM(str(path), **options)
+    assert "blk.0.ffn_down.weight" in read
     kept_model = keeping.engine.core.runner.model
     assert not any(m.weight.is_meta for m in kept_model.modules() if isinstance(m, Linear))
     assert module_weight_bytes(kept_model) - module_weight_bytes(model) == fp32

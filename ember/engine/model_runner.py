@@ -23,7 +23,7 @@ from ember.distributed.executor import (
     MultiprocExecutor,
     check_parallel,
 )
-from ember.distributed.parallel import PipelineStage, TPGroup, building
+from ember.distributed.parallel import SKIP, PipelineStage, TPGroup, building
 from ember.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from ember.engine.kernels import cpu_kernels
 from ember.engine.kv_spec import KVCacheSpec
@@ -32,7 +32,7 @@ from ember.engine.sampler import Sampler
 from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ember.kv import buffers as kv_buffers
 from ember.kv.layout import Piece, WorkerKV
-from ember.loader.checkpoint import Checkpoint
+from ember.loader.checkpoint import Checkpoint, Narrow
 from ember.models import get_model_class
 from ember.models.layers import (
     BF16_MIN_ROWS,
@@ -157,17 +157,25 @@ class ModelRunner:
     ) -> None:
         # a tensor-parallel rank reads only its part of each split tensor
         narrow = model.shard_of if self.group.size > 1 else None
-        model.load_weights(checkpoint.weights(narrow))
+        blocks = (
+            packs
+            and checkpoint.is_gguf
+            and self.config.gguf_blocks
+            and self.weight_dtype == torch.float32
+        )
+        from_blocks: set[str] = set()
+        if blocks:  # first: a matmul that will read only its blocks skips its fp32 W
+            model.load_gguf_blocks(checkpoint.gguf_blocks(narrow))
+            if hasattr(model, "weights_from_blocks"):
+                from_blocks = model.weights_from_blocks(cpu_kernels(), bf16_prefill)
+        if from_blocks:
+            model.load_weights(checkpoint.weights(_skipping(from_blocks, narrow)), from_blocks)
+        else:
+            model.load_weights(checkpoint.weights(narrow))
         startup.mark("weights")
         if packs:
-            if (
-                checkpoint.is_gguf
-                and self.config.gguf_blocks
-                and self.weight_dtype == torch.float32
-            ):
-                model.load_gguf_blocks(checkpoint.gguf_blocks(narrow))
-                if self._int8_activations():
-                    use_int8_activations(model)
+            if blocks and self._int8_activations():
+                use_int8_activations(model)
             model.pack_for_cpu(bf16_prefill, self.weight_dtype)
             if summary := block_decode_summary(model):
                 logger.info(summary)
@@ -563,6 +571,11 @@ def _loading_threads():
         yield
     finally:
         torch.set_num_threads(num_threads)
+
+
+def _skipping(names: set[str], narrow: Narrow | None) -> Narrow:
+    """`narrow` (a rank's part of each tensor, or all of it), with `names` not read."""
+    return lambda name: SKIP if name in names else (narrow(name) if narrow else None)
 
 
 def module_weight_bytes(module: torch.nn.Module) -> int:

@@ -110,6 +110,8 @@ class Linear(nn.Module):
         # other code reads W itself (a tied embedding table, MLA's absorbed kv_b_proj):
         # pack_for_cpu keeps it whatever the matmuls read
         self.weight_shared = False
+        # W was left unread at load, to be made from the blocks (reads_only_blocks)
+        self.from_blocks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -178,45 +180,63 @@ class Linear(nn.Module):
     def pack_for_cpu(
         self, bf16_prefill: bool = False, weight_dtype: torch.dtype | None = None
     ) -> None:
+        from ember.engine.kernels import cpu_kernels
+
+        kernels = cpu_kernels()  # x is fp32 on CPU (can_pack_for_cpu); W fp32 or bf16
         if weight_dtype is not None and weight_dtype != self.weight.dtype:
             self.weight.data = self.weight.data.to(weight_dtype)
         self.bf16_prefill = bf16_prefill
         packed_dtype = torch.bfloat16 if bf16_prefill else self.weight.dtype
+        # W was not read from the checkpoint where its blocks alone serve (from_blocks):
+        # the packed copy is made from them, exactly the fp32 W
+        source = self._decoded_blocks(kernels) if self.from_blocks else self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            self.weight.detach().to(packed_dtype), 16
+            source.to(packed_dtype), 16
         )  # in bf16 mode the only packed copy: no fp32 one is kept
-        from ember.engine.kernels import cpu_kernels
-
-        kernels = cpu_kernels()  # x is fp32 on CPU (can_pack_for_cpu); W fp32 or bf16
+        del source
         out_features, in_features = self.weight.shape
         if kernels is not None and kernels.small_gemm_supported(1, in_features, out_features):
             self.small_gemm = kernels.small_gemm
         # the blocks decode to the fp32 W; a model converted to another dtype drops them
-        parts = self.block_list
-        if (
-            parts
-            and kernels is not None
-            and self.weight.dtype == torch.float32
-            and all(
-                kernels.block_gemm_supported(in_features, p.shape[0], p.shape[2]) for p in parts
-            )
-        ):
+        if self._blocks_apply(kernels):
             self.block_gemm = kernels.block_gemm
             self.int8_gemm = kernels.block_gemm_int8 if self.int8_max_rows else None
         else:
             self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
-        # with blocks, every row count now reads them (up to BLOCK_GEMM_MAX_ROWS) or the
-        # packed copy (from BF16_MIN_ROWS, or PACKED_MIN_ROWS in fp32), never the fp32 W,
-        # which goes (4 bytes a weight); its shape stays, on the meta device, so that a
-        # read of it fails loudly. A W that other code reads stays.
-        packed_from = BF16_MIN_ROWS if bf16_prefill else PACKED_MIN_ROWS
-        if (
-            self.block_gemm is not None
-            and packed_from <= BLOCK_GEMM_MAX_ROWS + 1
-            and not self.weight_shared
-        ):
+        if self.block_gemm is not None and self.reads_only_blocks(kernels, bf16_prefill):
+            # its shape stays, on the meta device, so that a read of it fails loudly
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), False)
+
+    def _blocks_apply(self, kernels) -> bool:
+        """Whether the block GEMM takes every part of W's blocks (fp32 W, shapes it takes)."""
+        parts, (_, in_features) = self.block_list, self.weight.shape
+        return (
+            bool(parts)
+            and kernels is not None
+            and self.weight.dtype == torch.float32
+            and all(
+                kernels.block_gemm_supported(in_features, p.shape[0], p.shape[2]) for p in parts
+            )
+        )
+
+    def reads_only_blocks(self, kernels, bf16_prefill: bool) -> bool:
+        """Whether, once packed, no matmul reads the fp32 W: its blocks take up to
+        BLOCK_GEMM_MAX_ROWS rows and the packed copy the rest (from BF16_MIN_ROWS, or
+        PACKED_MIN_ROWS in fp32), and no other code reads W (`weight_shared`). Such a W
+        goes after packing (4 bytes a weight), and need not be read from the checkpoint
+        at all (`from_blocks`). Call once the blocks are loaded."""
+        packed_from = BF16_MIN_ROWS if bf16_prefill else PACKED_MIN_ROWS
+        return (
+            not self.weight_shared
+            and packed_from <= BLOCK_GEMM_MAX_ROWS + 1
+            and self._blocks_apply(kernels)
+        )
+
+    def _decoded_blocks(self, kernels) -> torch.Tensor:
+        """The fp32 W its blocks decode to (parts in order along out_features)."""
+        parts = [kernels.dequantize_blocks(part) for part in self.block_list]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def use_int8_activations(model: nn.Module) -> None:

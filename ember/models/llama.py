@@ -11,7 +11,7 @@ experts are stacked (ember.models.moe) and Mixtral's `block_sparse_moe` is read 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from typing import NamedTuple
 
 import torch
@@ -341,6 +341,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.weight_shared = True
         self._params: dict[str, nn.Parameter] | None = None  # by name, for shard_of
+        # each matmul given GGUF blocks: the checkpoint tensors they came as
+        self._block_names: dict[Linear, list[str]] = {}
         self._experts: ExpertTensors | None = None  # (also for shard_of)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, hidden=None):
@@ -385,13 +387,31 @@ class LlamaForCausalLM(nn.Module):
             module = linears.get(target.removesuffix(".weight"))
             if module is not None:  # blocks of a non-matmul tensor are not used
                 module.load_blocks(rows, shard)
+                self._block_names.setdefault(module, []).append(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors (Hugging Face names) into the parameters."""
+    def weights_from_blocks(self, kernels, bf16_prefill: bool) -> set[str]:
+        """After load_gguf_blocks: the checkpoint tensors not to read, since their matmuls
+        will read only their blocks and a packed copy made from them (Linear.
+        reads_only_blocks); those matmuls are marked to make it so."""
+        names: set[str] = set()
+        for module, parts in self._block_names.items():
+            if module.reads_only_blocks(kernels, bf16_prefill):
+                module.from_blocks = True
+                names.update(parts)
+        return names
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], from_blocks: Set[str] = frozenset()
+    ) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into the parameters; those in
+        `from_blocks` (weights_from_blocks) come as placeholders and stay unread."""
         params = dict(self.named_parameters())
         experts = ExpertTensors(self)
         loaded: set[str] = set()
         for name, tensor in weights:
+            if name in from_blocks:
+                loaded.add(name)
+                continue
             name = self._checkpoint_name(name)
             if name is None or not self.model.holds(name) or experts.load(name, tensor):
                 continue
