@@ -237,27 +237,3 @@ def test_weights_are_read_through_a_mapping_made_again_every_window(tiny_checkpo
     assert len(opened) >= total // (16 << 10) // 2  # many windows, not one mapping
     windowed = LLM(str(path), kv_cache_memory=1 << 24).generate([[5, 6, 7, 8]], greedy)
     assert windowed[0].outputs[0].token_ids == whole[0].outputs[0].token_ids
-
-
-FROZEN = textwrap.dedent(
-    """
-    import gc, sys
-    from ember import LLM
-    before = gc.get_freeze_count()
-    llm = LLM(sys.argv[1], kv_cache_memory=1 << 24)
-    print(before, gc.get_freeze_count())
-    """
-)
-
-
-def test_an_engine_leaves_its_start_up_heap_out_of_the_cyclic_collector(tiny_checkpoint):
-    """torch, the model and the engine (~10^5 objects) are frozen once built: the step
-    loop's full collections do not walk them (each would stall a step ~0.1 s)."""
-    out = subprocess.run(
-        [sys.executable, "-c", FROZEN, str(tiny_checkpoint("llama"))],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    before, after = map(int, out.split())
-    assert before == 0 and after > 50_000

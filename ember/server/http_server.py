@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import signal
 import threading
@@ -78,7 +77,6 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
 
 def _started(metrics: ServerMetrics, core_marks: list[startup.Mark], registration) -> None:
     _report_startup(metrics, core_marks)
-    gc.freeze()  # start-up's objects stay: full collections while serving skip them
     if registration is not None:
         registration.start()
 
