@@ -204,8 +204,10 @@ class Linear(nn.Module):
         else:
             self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
-        if self.block_gemm is not None and self.reads_only_blocks(kernels, bf16_prefill):
-            # its shape stays, on the meta device, so that a read of it fails loudly
+        drop = self.block_gemm is not None and self.reads_only_blocks(kernels, bf16_prefill)
+        if self.from_blocks and not drop:  # W was never read: it must not be used
+            raise RuntimeError("a weight left unread for its blocks is needed after all")
+        if drop:  # its shape stays, on the meta device, so that a read of it fails loudly
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), False)
 
     def _blocks_apply(self, kernels) -> bool:
