@@ -439,6 +439,17 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_a_weight_left_unread_for_blocks_that_do_not_serve_is_refused() -> None:
+    """from_blocks promises that the blocks and the packed copy serve every row count; a
+    matmul whose blocks the kernels do not take would multiply uninitialized memory."""
+    from ember.models.layers import Linear
+
+    linear = Linear(64, 32)
+    linear.from_blocks = True  # and no blocks at all
+    with pytest.raises(RuntimeError, match="left unread"):
+        linear.pack_for_cpu()
+
+
 @pytest.mark.skipif(not cpu_has_bf16(), reason="needs AMX or AVX-512 BF16")
 def test_drafts_of_few_sequences_verify_on_the_blocks_as_their_decodes_run(
     tmp_path: Path, every_draft

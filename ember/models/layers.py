@@ -84,6 +84,9 @@ class Linear(nn.Module):
     decode batches) multiplies bf16 x by it and returns bf16 y, which the model carries
     into the next op; fewer rows keep the choices above on the fp32 W (or its blocks),
     with F.linear where they took the packed copy (no fp32 one is kept).
+    A W whose blocks take every row count the packed copy does not (`reads_only_blocks`)
+    is not kept in fp32 at all: it is not even read from the file (`from_blocks`, the
+    packed copy made from the blocks), or goes once packed.
     With `weight_dtype=torch.bfloat16` W itself is stored in bf16 (half the bytes every
     decode step streams) while x and y stay fp32: the small GEMM widens W in registers
     (x exact), larger batches round x to bf16 for oneDNN and widen its bf16 result.
@@ -187,6 +190,9 @@ class Linear(nn.Module):
             self.weight.data = self.weight.data.to(weight_dtype)
         self.bf16_prefill = bf16_prefill
         packed_dtype = torch.bfloat16 if bf16_prefill else self.weight.dtype
+        only_blocks = self.reads_only_blocks(kernels, bf16_prefill)
+        if self.from_blocks and not only_blocks:  # W was never read: it must not be used
+            raise RuntimeError("a weight left unread for its blocks is needed after all")
         # W was not read from the checkpoint where its blocks alone serve (from_blocks):
         # the packed copy is made from them, exactly the fp32 W
         source = self._decoded_blocks(kernels) if self.from_blocks else self.weight.detach()
@@ -195,7 +201,8 @@ class Linear(nn.Module):
         )  # in bf16 mode the only packed copy: no fp32 one is kept
         del source
         out_features, in_features = self.weight.shape
-        if kernels is not None and kernels.small_gemm_supported(1, in_features, out_features):
+        small = kernels is not None and kernels.small_gemm_supported(1, in_features, out_features)
+        if small and not only_blocks:
             self.small_gemm = kernels.small_gemm
         # the blocks decode to the fp32 W; a model converted to another dtype drops them
         if self._blocks_apply(kernels):
@@ -204,10 +211,7 @@ class Linear(nn.Module):
         else:
             self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
-        drop = self.block_gemm is not None and self.reads_only_blocks(kernels, bf16_prefill)
-        if self.from_blocks and not drop:  # W was never read: it must not be used
-            raise RuntimeError("a weight left unread for its blocks is needed after all")
-        if drop:  # its shape stays, on the meta device, so that a read of it fails loudly
+        if only_blocks:  # its shape stays, on the meta device, so that a read of it fails loudly
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), False)
 
     def _blocks_apply(self, kernels) -> bool:
