@@ -24,13 +24,15 @@ import sys
 import tempfile
 import time
 
-import httpx
-
-from ember.bench.startup import CHAT, children_cpu_s, evict, free_port, stop_server
+from ember.bench.startup import (
+    children_cpu_s,
+    evict,
+    first_chat,
+    free_port,
+    stop_server,
+    wait_ready,
+)
 from ember.loader.default_models import resolve_model
-
-POLL_S = 0.02
-TIMEOUT_S = 300.0
 
 
 def start(command: list[str], url: str) -> dict:
@@ -43,21 +45,8 @@ def start(command: list[str], url: str) -> dict:
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            deadline = t0 + TIMEOUT_S
-            while True:
-                if process.poll() is not None or time.perf_counter() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"{command[0]} did not start:\n{log.read()[-3000:]!r}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(POLL_S)
-            ready = time.perf_counter() - t0
-            response = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=120.0)
-            response.raise_for_status()
-            first = time.perf_counter() - t0
+            ready = wait_ready(process, url, log, name=command[0]) - t0
+            first = first_chat(url) - t0
         finally:
             stop_server(process)
     return {"ready_s": ready, "first_chat_s": first, "cpu_s": children_cpu_s() - cpu_before}

@@ -111,29 +111,34 @@ def _spawn_server(path: Path, port: int, serve_args: list[str], log: IO[bytes]) 
     )
 
 
-def _exit_error(process: subprocess.Popen, log: IO[bytes], what: str) -> RuntimeError:
+def _exit_error(
+    process: subprocess.Popen, log: IO[bytes], what: str, name: str = "ember serve"
+) -> RuntimeError:
     log.seek(0, os.SEEK_END)
     log.seek(max(0, log.tell() - STDERR_TAIL_BYTES))
     tail = log.read().decode(errors="replace")
-    return RuntimeError(f"ember serve {what} (exit code {process.returncode}); its output:\n{tail}")
+    return RuntimeError(f"{name} {what} (exit code {process.returncode}); its output:\n{tail}")
 
 
-def _wait_ready(process: subprocess.Popen, url: str, log: IO[bytes]) -> float:
-    """perf_counter time at which /health first answered 200."""
+def wait_ready(
+    process: subprocess.Popen, url: str, log: IO[bytes], name: str = "ember serve"
+) -> float:
+    """perf_counter time at which /health first answered 200 (`name`: the server, in
+    the error when it exits or never answers)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise _exit_error(process, log, "exited before it was ready")
+            raise _exit_error(process, log, "exited before it was ready", name)
         try:
             if httpx.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200:
                 return time.perf_counter()
         except httpx.HTTPError:
             pass
         time.sleep(HEALTH_POLL_S)
-    raise _exit_error(process, log, f"was not healthy after {STARTUP_TIMEOUT_S:.0f} s")
+    raise _exit_error(process, log, f"was not healthy after {STARTUP_TIMEOUT_S:.0f} s", name)
 
 
-def _first_chat(url: str) -> float:
+def first_chat(url: str) -> float:
     """perf_counter time at which the answer to a first chat completion had arrived."""
     response = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=REQUEST_TIMEOUT_S)
     response.raise_for_status()
@@ -185,9 +190,9 @@ def cold_start(path: Path, port: int, serve_args: list[str]) -> dict:
         t0 = time.perf_counter()
         process = _spawn_server(path, port, serve_args, log)
         try:
-            t_ready = _wait_ready(process, url, log)
+            t_ready = wait_ready(process, url, log)
             phases = read_phases(url)
-            t_chat = _first_chat(url)
+            t_chat = first_chat(url)
         finally:
             stop_server(process)
     return {
