@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ARCHS
 from ember import LLM, SamplingParams
-from ember.engine.model_runner import profile_batch
 from ember.engine.request import Request
 from ember.engine.step_cost import StepCoefficients, StepCostModel
+from ember.engine.step_inputs import profile_batch
 
 NEW_TOKENS = 32
 PROMPTS = [

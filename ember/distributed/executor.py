@@ -183,7 +183,7 @@ def encode_forward(input_ids, positions, meta, rank_tokens: list[int] | None = N
 def decode_forward(message: Forward, device: torch.device, block_size: int):
     """(input_ids, positions, AttentionMetadata) of a Forward, on `device`."""
     from ember.engine.attention import AttentionMetadata, PrefillSeq
-    from ember.engine.model_runner import decode_mask
+    from ember.engine.step_inputs import decode_mask
 
     def opt(tensor):
         return None if tensor is None else tensor.value().to(device)

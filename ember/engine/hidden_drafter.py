@@ -39,10 +39,11 @@ from torch import nn
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.model_runner import ModelRunner, Rows, batch_inputs
+from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.sampler import position_noise, random_probs
 from ember.engine.speculative import Proposer
+from ember.engine.step_inputs import Rows, batch_inputs
 from ember.kv import buffers as kv_buffers
 
 logger = logging.getLogger("ember.engine")
