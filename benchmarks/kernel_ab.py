@@ -3,15 +3,17 @@
     python benchmarks/kernel_ab.py OLD_SO [NEW_SO]
 
 OLD_SO / NEW_SO: a kernel shared object (e.g. one left in ~/.cache/ember/kernels by an
-older checkout); NEW_SO defaults to this checkout's build for the CPU. Each case runs
-alternately on both, 15 x 10 calls, and the minimum per call is printed: the box's
-swings fall on both alike. Sizes are SmolLM2's and stay in L2, so this measures the
+older checkout); NEW_SO defaults to this checkout's build for the CPU. Each build is
+loaded in a process of its own (two builds share their module's name, and one process
+would load only the first), and each case runs alternately in the two, 15 x 10 calls;
+the minimum per call is printed: the box's swings fall on both alike. Sizes are SmolLM2's and stay in L2, so this measures the
 kernels' compute; whole-model decode speed is `ember bench offline`'s.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,11 @@ from pathlib import Path
 import torch
 
 from ember.engine.kernels import cpu_kernels
+
+# block bytes and fp16 fields of each format the int8 cases run
+INT8_FORMATS = {"Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q8_0": (34, (0,)),
+                "Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # fmt: skip
+WEIGHTS = {"Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
 
 
 def load(path: str):
@@ -51,6 +58,15 @@ def cases(module):
         x = torch.randn(rows, 576)
         yield f"block Q4_1, {rows} rows", lambda x=x: module.block_gemm(x, blocks, None)
         yield f"small fp32, {rows} rows", lambda x=x: module.small_gemm(x, w, None)
+    if hasattr(module, "block_gemm_int8"):  # int8 activations, each block format
+        for name, (block_bytes, half_fields) in INT8_FORMATS.items():
+            k_dim = 1536 if block_bytes > 34 else 576  # K-quants: 256 weights a block
+            rows = torch.randint(0, 256, (576, k_dim * block_bytes // WEIGHTS[name]),
+                                 dtype=torch.uint8, generator=gen).view(576, -1, block_bytes)  # fmt: skip
+            for offset in half_fields:  # small fp16 scales: no inf or nan
+                rows[..., offset : offset + 2] = torch.full((1,), 0.01).half().view(torch.uint8)
+            x = torch.randn(1, k_dim)
+            yield f"int8 {name}, 1 row", lambda x=x, w=rows: module.block_gemm_int8(x, w, None)
     q, k, v = torch.randn(8, 9, 64), torch.randn(512, 16, 3, 64), torch.randn(512, 16, 3, 64)
     tables, lens = torch.randperm(512)[: 8 * 60].view(8, 60), torch.full((8,), 900)
     yield (
@@ -59,17 +75,44 @@ def cases(module):
     )
 
 
-def main() -> None:
+def serve(path: str) -> None:
+    """A worker: loads one build, then times the case named by each line on stdin."""
     torch.set_num_threads(2)
-    old = load(sys.argv[1])
-    new = load(sys.argv[2]) if len(sys.argv) > 2 else cpu_kernels()
-    for (name, old_call), (_, new_call) in zip(cases(old), cases(new), strict=True):
+    calls = dict(cases(load(path) if path != "-" else cpu_kernels()))
+    for line in sys.stdin:
+        print(per_call_ms(calls[line.strip()]), flush=True)
+
+
+def main() -> None:
+    if sys.argv[1] == "--serve":
+        return serve(sys.argv[2])
+    paths = [sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "-"]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--serve", path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for path in paths
+    ]
+
+    def timed(worker, name: str) -> float:
+        worker.stdin.write(name + "\n")
+        worker.stdin.flush()
+        return float(worker.stdout.readline())
+
+    torch.set_num_threads(1)
+    for name, _ in cases(cpu_kernels()):
         old_ms, new_ms = [], []
         for _ in range(15):
-            old_ms.append(per_call_ms(old_call))
-            new_ms.append(per_call_ms(new_call))
+            old_ms.append(timed(workers[0], name))
+            new_ms.append(timed(workers[1], name))
         print(f"{name:26s} old {min(old_ms):7.3f} ms  new {min(new_ms):7.3f} ms  "
               f"new/old {min(new_ms) / min(old_ms):.3f}")  # fmt: skip
+    for worker in workers:
+        worker.stdin.close()
+        worker.wait()
 
 
 if __name__ == "__main__":

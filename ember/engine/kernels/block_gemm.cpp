@@ -60,22 +60,18 @@ inline void nibble_halves(const uint8_t* q, vf* out, const Decode& decode) {
   }
 }
 
-// A group's weights for the int8 path (`codes`): w = scale[h] * code + min[h] for the
-// group's 16-weight half h, the codes as unsigned bytes (Q8_0: its signed bytes, min 0).
-struct Halves {
-  float scale[2], min[2];
+// A 32-weight block's weights for the int8 path (`codes`): w = scale * code + min, the
+// codes as unsigned bytes (Q8_0: its signed bytes, min 0). The K-quants take the int8
+// path a super-block at a time instead (`int_codes`, below).
+struct GroupScale {
+  float scale, min;
 };
 
 struct OneGroup {  // a 32-weight block
   static constexpr int64_t kWeights = 32;
   static constexpr bool kSigned = false;  // codes are int8 (Q8_0)
-  static constexpr bool kTwoScales = false;  // the halves' scales differ (Q6_K)
   struct Scales {};
   static inline Scales scales(const uint8_t*) { return {}; }
-  static inline void same_halves(Halves& h, float scale, float min) {
-    h.scale[0] = h.scale[1] = scale;
-    h.min[0] = h.min[1] = min;
-  }
 };
 
 struct Q4_0 : OneGroup {
@@ -84,9 +80,9 @@ struct Q4_0 : OneGroup {
     const vf d = simd::set1(simd::half_at(block)), eight = simd::set1(8.f);
     nibble_halves(block + 2, out, [&](vf q) { return simd::mul(d, simd::sub(q, eight)); });
   }
-  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
+  static inline simd::vcodes codes(const uint8_t* block, GroupScale& h) {
     const float d = simd::half_at(block);
-    same_halves(h, d, -8.f * d);
+    h = {d, -8.f * d};
     return simd::codes_nibbles(block + 2);
   }
 };
@@ -98,8 +94,8 @@ struct Q4_1 : OneGroup {
     // d * q is exact: one rounding, fused or not
     nibble_halves(block + 4, out, [&](vf q) { return simd::fma(q, d, m); });
   }
-  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
-    same_halves(h, simd::half_at(block), simd::half_at(block + 2));
+  static inline simd::vcodes codes(const uint8_t* block, GroupScale& h) {
+    h = {simd::half_at(block), simd::half_at(block + 2)};
     return simd::codes_nibbles(block + 4);
   }
 };
@@ -126,9 +122,9 @@ struct Q5_0 : OneGroup {
     for (int c = 0; c < kChunks; ++c)
       out[c] = simd::mul(d, simd::sub(five_bits(block + 2, block + 6, c), sixteen));
   }
-  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
+  static inline simd::vcodes codes(const uint8_t* block, GroupScale& h) {
     const float d = simd::half_at(block);
-    same_halves(h, d, -16.f * d);
+    h = {d, -16.f * d};
     return five_bit_codes(block + 2, block + 6);
   }
 };
@@ -139,8 +135,8 @@ struct Q5_1 : OneGroup {
     const vf d = simd::set1(simd::half_at(block)), m = simd::set1(simd::half_at(block + 2));
     for (int c = 0; c < kChunks; ++c) out[c] = simd::fma(five_bits(block + 4, block + 8, c), d, m);
   }
-  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
-    same_halves(h, simd::half_at(block), simd::half_at(block + 2));
+  static inline simd::vcodes codes(const uint8_t* block, GroupScale& h) {
+    h = {simd::half_at(block), simd::half_at(block + 2)};
     return five_bit_codes(block + 4, block + 8);
   }
 };
@@ -148,8 +144,8 @@ struct Q5_1 : OneGroup {
 struct Q8_0 : OneGroup {
   static constexpr int64_t kBytes = 34;
   static constexpr bool kSigned = true;
-  static inline simd::vcodes codes(const uint8_t* block, Scales, int, Halves& h) {
-    same_halves(h, simd::half_at(block), 0.f);
+  static inline simd::vcodes codes(const uint8_t* block, GroupScale& h) {
+    h = {simd::half_at(block), 0.f};
     return simd::codes_load(block + 2);
   }
   static inline void decode(const uint8_t* block, Scales, int, vf* out) {
@@ -157,6 +153,43 @@ struct Q8_0 : OneGroup {
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
     for (int c = 0; c < kChunks; ++c) out[c] = simd::mul(simd::from_i8(q + c * kLanes), d);
   }
+};
+
+// The int8 path's accumulator of one output: 8 lanes of scaled integer sums, and the
+// minima's share (see the int8 section below)
+#if defined(__AVX2__)
+struct Int8Acc {
+  __m256 sums = _mm256_setzero_ps();
+  float mins = 0.f;
+  float total() const { return simd::codes_sum(sums) + mins; }
+  void add(simd::vsums v, float scale) {  // sums += v * scale
+    sums = _mm256_fmadd_ps(simd::sums_float(v), _mm256_set1_ps(scale), sums);
+  }
+  void add_lanes(simd::vsums v, const float* scales, float factor) {  // lane i: scales[i] * factor
+    const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales), _mm256_set1_ps(factor));
+    sums = _mm256_fmadd_ps(simd::sums_float(v), scale, sums);
+  }
+};
+#else
+struct Int8Acc {
+  float sums = 0.f, mins = 0.f;
+  float total() const { return sums + mins; }
+  void add(simd::vsums v, float scale) {
+    int64_t total = 0;
+    for (int i = 0; i < 8; ++i) total += v[i];
+    sums += static_cast<float>(total) * scale;
+  }
+  void add_lanes(simd::vsums v, const float* scales, float factor) {
+    for (int i = 0; i < 8; ++i) sums += static_cast<float>(v[i]) * (scales[i] * factor);
+  }
+};
+#endif
+
+// What a K-quant super-block's products need of x beside its int8 values: its 8 groups'
+// dx and dx * (sum of q over the group), and q summed over each 16
+struct XBlock {
+  const float *scale, *group_sums;
+  const int16_t* sums16;
 };
 
 // Q4_K / Q5_K: each group's scale d * sc and minimum dmin * mn, both exact in fp32 (an
@@ -182,13 +215,38 @@ inline KScales k_scales(const uint8_t* block) {
   return out;
 }
 
+// The same 6-bit sc, mn as bytes, with d and dmin (the int8 path's super-block sums):
+// four groups' fields at a time, from the three 32-bit words of bytes 4-15
+struct KIntScales {
+  float d, dmin;
+  uint8_t sc[8], mn[8];
+};
+
+inline KIntScales k_int_scales(const uint8_t* block) {
+  uint32_t word[3];
+  std::memcpy(word, block + 4, sizeof(word));
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, low2 = 0x03030303;
+  const uint32_t sc[2] = {word[0] & low6, (word[2] & low4) | (((word[0] >> 6) & low2) << 4)};
+  const uint32_t mn[2] = {word[1] & low6, ((word[2] >> 4) & low4) | (((word[1] >> 6) & low2) << 4)};
+  KIntScales out;
+  out.d = simd::half_at(block);
+  out.dmin = simd::half_at(block + 2);
+  std::memcpy(out.sc, sc, sizeof(sc));
+  std::memcpy(out.mn, mn, sizeof(mn));
+  return out;
+}
+
 // Q4_K's 128 bytes of q: groups 2i and 2i+1 are the low and high nibbles of bytes 32i..
 struct KQuant {
   static constexpr int64_t kWeights = 256;
-  static constexpr bool kSigned = false, kTwoScales = false;
-  static inline void group_halves(const KScales& s, int g, Halves& h) {
-    h.scale[0] = h.scale[1] = s.scale[g];
-    h.min[0] = h.min[1] = s.minus_min[g];
+  static constexpr bool kSigned = false;
+  using IntScales = KIntScales;
+  static inline IntScales int_scales(const uint8_t* block) { return k_int_scales(block); }
+  static inline simd::vscale group_scale(const IntScales& s, int g) { return simd::scale_same(s.sc[g]); }
+  static inline float d(const IntScales& s) { return s.d; }
+  // - dmin sum_g mn_g dx_g (sum of q over group g): lane g of the 8
+  static inline void minimum(Int8Acc& acc, const IntScales& s, const XBlock& x) {
+    acc.add_lanes(simd::bytes_widen8(s.mn), x.group_sums, -s.dmin);
   }
 };
 
@@ -202,8 +260,7 @@ struct Q4_K : KQuant {
     for (int c = 0; c < kChunks; ++c)  // (d * sc) * q exact: one rounding, as gguf's
       out[c] = simd::fma(simd::bits(q + c * kLanes, 4 * (g % 2), 0x0F), scale, minus_min);
   }
-  static inline simd::vcodes codes(const uint8_t* block, const Scales& s, int g, Halves& h) {
-    group_halves(s, g, h);
+  static inline simd::vcodes int_codes(const uint8_t* block, int g) {
     return simd::codes_bits(block + 16 + 32 * (g / 2), 4 * (g % 2), 0x0F);
   }
 };
@@ -222,8 +279,7 @@ struct Q5_K : KQuant {
       out[c] = simd::fma(code, scale, minus_min);
     }
   }
-  static inline simd::vcodes codes(const uint8_t* block, const Scales& s, int g, Halves& h) {
-    group_halves(s, g, h);
+  static inline simd::vcodes int_codes(const uint8_t* block, int g) {
     const simd::vcodes low = simd::codes_bits(block + 48 + 32 * (g / 2), 4 * (g % 2), 0x0F);
     return simd::codes_or(low, simd::codes_shl4(simd::codes_bits(block + 16, g, 1)));
   }
@@ -236,7 +292,7 @@ struct Q5_K : KQuant {
 // q by d * sc less 32 d * sc gives it exactly.
 struct Q6_K {
   static constexpr int64_t kBytes = 210, kWeights = 256;
-  static constexpr bool kSigned = false, kTwoScales = true;
+  static constexpr bool kSigned = false;
   struct Scales {
     float scale[16], minus_32_scale[16];  // d * sc, one per 16 weights; -32 d * sc
   };
@@ -260,12 +316,22 @@ struct Q6_K {
       out[c] = simd::fma(code, simd::set1(s.scale[i]), simd::set1(s.minus_32_scale[i]));
     }
   }
-  static inline simd::vcodes codes(const uint8_t* block, const Scales& s, int g, Halves& h) {
+  struct IntScales {
+    float d;
+    simd::vscales16 sc;
+  };
+  static inline IntScales int_scales(const uint8_t* block) {
+    return {simd::half_at(block + 208), simd::scales16_load(reinterpret_cast<const int8_t*>(block + 192))};
+  }
+  static inline simd::vscale group_scale(const IntScales& s, int g) { return simd::scale_pair(s.sc, g); }
+  static inline float d(const IntScales& s) { return s.d; }
+  // - 32 d sum_g dx_g (sc_2g qsum_2g + sc_2g+1 qsum_2g+1), qsum_j the sum of q over
+  // sub-block j: lane g of the 8
+  static inline void minimum(Int8Acc& acc, const IntScales& s, const XBlock& x) {
+    acc.add_lanes(simd::pairs_dot16(s.sc, x.sums16), x.scale, -32.f * s.d);
+  }
+  static inline simd::vcodes int_codes(const uint8_t* block, int g) {
     const int half = g / 4, t = g % 4;
-    for (int i = 0; i < 2; ++i) {
-      h.scale[i] = s.scale[2 * g + i];
-      h.min[i] = s.minus_32_scale[2 * g + i];
-    }
     const simd::vcodes low = simd::codes_bits(block + 64 * half + 32 * (t % 2), 4 * (t / 2), 0x0F);
     return simd::codes_or(low, simd::codes_shl4(simd::codes_bits(block + 128 + 32 * half, 2 * t, 3)));
   }
@@ -300,16 +366,17 @@ constexpr int rows_per_group() {
 // Walks R rows of W (from w0) block by block, calling fn(b, scales) with each block
 // column's scales, read once per row. The next group's rows follow these: they are
 // prefetched, spread over the walk.
-template <int R, typename F, typename Fn>
-inline void walk_blocks(const uint8_t* w0, int64_t row_bytes, int64_t k_dim, const Fn& fn) {
+template <int R, typename F, typename S = typename F::Scales, typename Read = S (*)(const uint8_t*),
+          typename Fn>
+inline void walk_blocks(const uint8_t* w0, int64_t row_bytes, int64_t k_dim, Read read, const Fn& fn) {
   const char* ahead = reinterpret_cast<const char*>(w0 + R * row_bytes);
   constexpr int64_t ahead_step = R * F::kBytes;  // bytes of W one block step reads
   for (int64_t b = 0; b < k_dim / F::kWeights; ++b) {
     for (int64_t o = 0; o < ahead_step; o += 64) simd::prefetch(ahead + o);
     simd::prefetch(ahead + ahead_step - 1);
     ahead += ahead_step;
-    typename F::Scales scales[R];
-    for (int r = 0; r < R; ++r) scales[r] = F::scales(w0 + r * row_bytes + b * F::kBytes);
+    S scales[R];
+    for (int r = 0; r < R; ++r) scales[r] = read(w0 + r * row_bytes + b * F::kBytes);
     fn(b, scales);
   }
 }
@@ -321,7 +388,7 @@ void row_group(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = simd::zero();
   const uint8_t* w0 = w + j * row_bytes;
-  walk_blocks<R, F>(w0, row_bytes, k_dim, [&](int64_t b, const typename F::Scales* scales) {
+  walk_blocks<R, F>(w0, row_bytes, k_dim, F::scales, [&](int64_t b, const typename F::Scales* scales) {
     for (int g = 0; g < F::kWeights / kGroupWeights; ++g) {
       vf weights[R][kChunks];
       for (int r = 0; r < R; ++r)
@@ -376,24 +443,24 @@ void block_gemm_all(int64_t rows, const float* x, const uint8_t* w, float* y, in
 // ---- int8 activations -------------------------------------------------------------
 // The int8 path (`block_gemm_int8`) quantizes each row of x to int8 per 32 values, as
 // llama.cpp does: x ~ dx * q, dx = max |x| / 127, q = x * (127 / max |x|) rounded to
-// nearest (ties to even). With w = scale * code + min per half group,
-//   sum_i w_i x_i ~ sum_halves  scale * dx * sum code_i q_i  +  min * dx * sum q_i,
+// nearest (ties to even). With w = scale * code + min for a 32-weight block,
+//   sum_i w_i x_i ~ scale * dx * sum code_i q_i  +  min * dx * sum q_i,
 // where each sum of code_i q_i is an exact integer (AVX2's maddubs + madd, also in the
 // AVX-512 build), turned to float once per 8 products. Not bit-identical to the fp32
 // path: rounding x to 8 bits is its error (at most dx / 2 a value).
 struct QuantizedRows {
-  std::vector<int8_t> q;     // [rows, k]
-  std::vector<float> scale;  // dx: [rows, k / 32]
-  std::vector<float> sums;   // dx * (sum of q over each 16 values): [rows, k / 16]
+  std::vector<int8_t> q;          // [rows, k]
+  std::vector<float> scale;       // dx: [rows, k / 32]
   std::vector<float> group_sums;  // dx * (sum of q over each 32): [rows, k / 32]
+  std::vector<int16_t> sums16;    // sum of q over each 16: [rows, k / 16] (Q6_K)
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_dim) {
   QuantizedRows out;
   out.q.resize(rows * k_dim);
   out.scale.resize(rows * k_dim / kGroupWeights);
-  out.sums.resize(rows * k_dim / 16);
   out.group_sums.resize(rows * k_dim / kGroupWeights);
+  out.sums16.resize(rows * k_dim / 16);
   for (int64_t g = 0; g < rows * k_dim / kGroupWeights; ++g) {
     const float* xg = x + g * kGroupWeights;
     float amax = 0.f;
@@ -406,80 +473,102 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_dim) {
       sum[i / 16] += q[i];
     }
     out.scale[g] = d;
-    out.sums[2 * g] = d * static_cast<float>(sum[0]);
-    out.sums[2 * g + 1] = d * static_cast<float>(sum[1]);
     out.group_sums[g] = d * static_cast<float>(sum[0] + sum[1]);
+    out.sums16[2 * g] = static_cast<int16_t>(sum[0]);
+    out.sums16[2 * g + 1] = static_cast<int16_t>(sum[1]);
   }
   return out;
 }
 
-#if defined(__AVX2__)
-struct Int8Acc {  // 8 lanes of scaled integer sums, and the minima's share
-  __m256 sums = _mm256_setzero_ps();
-  float mins = 0.f;
-  float total() const { return simd::codes_sum(sums) + mins; }
-};
-#else
-struct Int8Acc {
-  float sums = 0.f, mins = 0.f;
-  float total() const { return sums + mins; }
-};
-#endif
-
-// acc += the group's products (`code`, `h`) with x's group g (q, scale dx, half sums)
+// acc += the block's products (`code`, `h`) with x's group (q, its dx and dx * sum of q)
 template <typename F>
-inline void int8_group(Int8Acc& acc, simd::vcodes code, const Halves& h, const int8_t* q,
-                       float dx, const float* sums, float group_sum) {
+inline void int8_group(Int8Acc& acc, simd::vcodes code, const GroupScale& h, const int8_t* q,
+                       float dx, float group_sum) {
 #if defined(__AVX2__)
-  const __m256 scale = F::kTwoScales
-                           ? _mm256_set_m128(_mm_set1_ps(h.scale[1] * dx), _mm_set1_ps(h.scale[0] * dx))
-                           : _mm256_set1_ps(h.scale[0] * dx);
-  acc.sums = _mm256_fmadd_ps(simd::codes_dot(code, q, F::kSigned), scale, acc.sums);
+  acc.sums = _mm256_fmadd_ps(simd::codes_dot(code, q, F::kSigned), _mm256_set1_ps(h.scale * dx), acc.sums);
 #else
-  int32_t half[2] = {0, 0};
+  int32_t sum = 0;
   for (int i = 0; i < kGroupWeights; ++i)
-    half[i / 16] += (F::kSigned ? static_cast<int8_t>(code[i]) : code[i]) * static_cast<int32_t>(q[i]);
-  acc.sums += (h.scale[0] * dx) * static_cast<float>(half[0]) +
-              (h.scale[1] * dx) * static_cast<float>(half[1]);
+    sum += (F::kSigned ? static_cast<int8_t>(code[i]) : code[i]) * static_cast<int32_t>(q[i]);
+  acc.sums += (h.scale * dx) * static_cast<float>(sum);
 #endif
-  if (F::kTwoScales)
-    acc.mins += h.min[0] * sums[0] + h.min[1] * sums[1];
-  else if (!F::kSigned)
-    acc.mins += h.min[0] * group_sum;
+  if (!F::kSigned) acc.mins += h.min * group_sum;
 }
 
-// R rows of W against M rows of x: each group's codes are decoded once for the M rows
+// R rows of W against M rows of x: each block's codes are decoded once for the M rows
 template <int M, int R, typename F>
 void int8_row_group(const QuantizedRows& x, const uint8_t* w, float* y, int64_t k_dim,
                     int64_t n_dim, int64_t row_bytes, int64_t j) {
   Int8Acc acc[M][R];
   const uint8_t* w0 = w + j * row_bytes;
-  constexpr int kGroups = F::kWeights / kGroupWeights;
   const int64_t x_groups = k_dim / kGroupWeights;
-  walk_blocks<R, F>(w0, row_bytes, k_dim, [&](int64_t b, const typename F::Scales* scales) {
-    for (int g = 0; g < kGroups; ++g) {
-      const int64_t xg = b * kGroups + g;  // x's group
-      for (int r = 0; r < R; ++r) {
-        Halves h;
-        const simd::vcodes code = F::codes(w0 + r * row_bytes + b * F::kBytes, scales[r], g, h);
-        for (int m = 0; m < M; ++m)
-          int8_group<F>(acc[m][r], code, h, x.q.data() + (m * x_groups + xg) * kGroupWeights,
-                        x.scale[m * x_groups + xg], x.sums.data() + 2 * (m * x_groups + xg),
-                        x.group_sums[m * x_groups + xg]);
-      }
+  walk_blocks<R, F>(w0, row_bytes, k_dim, F::scales, [&](int64_t b, const typename F::Scales*) {
+    for (int r = 0; r < R; ++r) {
+      GroupScale h;
+      const simd::vcodes code = F::codes(w0 + r * row_bytes + b * F::kBytes, h);
+      for (int m = 0; m < M; ++m)
+        int8_group<F>(acc[m][r], code, h, x.q.data() + (m * x_groups + b) * kGroupWeights,
+                      x.scale[m * x_groups + b], x.group_sums[m * x_groups + b]);
     }
   });
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = acc[m][r].total();
 }
 
-template <int M, typename F>
-void int8_gemm_m(const QuantizedRows& x, const uint8_t* w, float* y, int64_t k_dim,
-                 int64_t n_dim, int64_t row_bytes) {
+// ---- int8 activations on K-quant super-blocks ------------------------------------
+// x is quantized per 32 values as above. A K-quant group's products with x's group sum
+// exactly in int32 with its integer sub-block scales applied (maddubs, then madd with
+// the scales: sc_j sum code_i q_i over each 16), turned to float once per group with
+// d * dx; the minima once per super-block, a lane per group:
+//   Q6_K       sum w x ~ sum_g d dx_g (sum_j sc_j (code . q)_j  -  32 sum_j sc_j qsum_j)
+//   Q4_K/Q5_K  sum w x ~ sum_g d dx_g sc_g (code . q)_g  -  dmin sum_g mn_g dx_g qsum_g
+// (j: the group's two sub-blocks of 16 weights (Q6_K), qsum: q summed over them).
+
+// R rows of W against M rows of x, a super-block at a time: each group's codes are
+// decoded once for the M rows
+template <int M, int R, typename F>
+void int8_super_row_group(const QuantizedRows& x, const uint8_t* w, float* y, int64_t k_dim,
+                          int64_t n_dim, int64_t row_bytes, int64_t j) {
+  Int8Acc acc[M][R];
+  const uint8_t* w0 = w + j * row_bytes;
+  constexpr int kGroups = F::kWeights / kGroupWeights;
+  const int64_t x_groups = k_dim / kGroupWeights;
+  walk_blocks<R, F, typename F::IntScales>(
+      w0, row_bytes, k_dim, F::int_scales, [&](int64_t b, const typename F::IntScales* scales) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* block = w0 + r * row_bytes + b * F::kBytes;
+          const float d = F::d(scales[r]);
+          for (int g = 0; g < kGroups; ++g) {
+            const simd::vcodes code = F::int_codes(block, g);
+            const simd::vscale scale = F::group_scale(scales[r], g);
+            for (int m = 0; m < M; ++m) {
+              const int64_t xg = m * x_groups + b * kGroups + g;  // x's group
+              acc[m][r].add(simd::scaled_dot(code, x.q.data() + xg * kGroupWeights, scale),
+                            d * x.scale[xg]);
+            }
+          }
+          for (int m = 0; m < M; ++m) {
+            const int64_t xg = m * x_groups + b * kGroups;
+            F::minimum(acc[m][r], scales[r],
+                       {x.scale.data() + xg, x.group_sums.data() + xg, x.sums16.data() + 2 * xg});
+          }
+        }
+      });
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * n_dim + j + r] = acc[m][r].total();
+}
+
+template <int M, typename F, typename X>
+void int8_gemm_m(const X& x, const uint8_t* w, float* y, int64_t k_dim, int64_t n_dim,
+                 int64_t row_bytes) {
   constexpr int R = M <= 2 ? 4 : 2;
   at::parallel_for(0, n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      int8_row_group<M, R, F>(x, w, y, k_dim, n_dim, row_bytes, g * R);
+    for (int64_t g = begin; g < end; ++g) {
+      if constexpr (F::kWeights == 256)
+        int8_super_row_group<M, R, F>(x, w, y, k_dim, n_dim, row_bytes, g * R);
+      else
+        int8_row_group<M, R, F>(x, w, y, k_dim, n_dim, row_bytes, g * R);
+    }
   });
 }
 
@@ -490,14 +579,17 @@ void int8_gemm_all(int64_t rows, const float* x, const uint8_t* w, float* y, int
   constexpr int64_t kPass = 4;  // rows of x per pass over W
   for (int64_t m0 = 0; m0 < rows; m0 += kPass) {
     const int64_t m = std::min(kPass, rows - m0);
-    const QuantizedRows xq = quantize_rows(x + m0 * k_dim, m, k_dim);
+    const float* xm = x + m0 * k_dim;
     float* ym = y + m0 * n_dim;
-    switch (m) {
-      case 1: int8_gemm_m<1, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
-      case 2: int8_gemm_m<2, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
-      case 3: int8_gemm_m<3, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
-      default: int8_gemm_m<4, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
-    }
+    const auto run = [&](const auto& xq) {
+      switch (m) {
+        case 1: int8_gemm_m<1, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+        case 2: int8_gemm_m<2, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+        case 3: int8_gemm_m<3, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+        default: int8_gemm_m<4, F>(xq, w, ym, k_dim, n_dim, row_bytes); break;
+      }
+    };
+    run(quantize_rows(xm, m, k_dim));
   }
 }
 
@@ -592,7 +684,7 @@ void register_block_gemm(pybind11::module& m) {
   m.def("block_gemm", &block_gemm,
         "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks");
   m.def("block_gemm_int8", &block_gemm_int8,
-        "block_gemm with x quantized to int8 per 32 values and integer products");
+        "block_gemm with x quantized to int8 per 32 values (per 256 against K-quants) and integer products");
   m.def("dequantize_blocks", &dequantize_blocks,
         "the float32 weights [rows, in_features] that GGUF blocks [rows, blocks, bytes] decode to");
   m.def("block_gemm_supported", &block_gemm_supported,

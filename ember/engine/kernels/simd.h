@@ -358,6 +358,40 @@ inline __m256 codes_dot(vcodes code, const int8_t* x, bool is_signed) {
   const __m256i pairs = _mm256_maddubs_epi16(code, xv);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+
+// The K-quants' integer products (a group's, exact in int32): `vscale` is a group's
+// sub-block scales as int16, one for weights 0-15 and one for 16-31; scaled_dot gives sum
+// code_i * x_i * scale_i over the 32 in 8 int32 lanes (4 products each). code_i < 64
+// keeps each pair of products within int16 (maddubs), and |scale| <= 128 each lane
+// within 2^22.
+using vsums = __m256i;
+using vscale = __m256i;
+inline vscale scale_same(int s) { return _mm256_set1_epi16(static_cast<int16_t>(s)); }
+// the 16 int8 scales of a super-block (Q6_K), widened; scale_pair(all, g) is g's two
+using vscales16 = __m256i;
+inline vscales16 scales16_load(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vscale scale_pair(vscales16 all, int g) {
+  // dword g holds scales 2g, 2g+1: spread it, then the low lane repeats the first, the
+  // high lane the second
+  const __m256i pair = _mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(g));
+  return _mm256_shuffle_epi8(pair, _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302,
+                                                     0x0100010001000100, 0x0100010001000100));
+}
+inline vsums scaled_dot(vcodes code, const int8_t* x, vscale scale) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(code, xv), scale);
+}
+// lane i: a_2i b_2i + a_2i+1 b_2i+1, over 16 int16 pairs
+inline vsums pairs_dot16(vscales16 a, const int16_t* b) {
+  return _mm256_madd_epi16(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+}
+// lane i: a_i
+inline vsums bytes_widen8(const uint8_t* a) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
+}
+inline __m256 sums_float(vsums a) { return _mm256_cvtepi32_ps(a); }
 #else
 typedef uint8_t vcodes __attribute__((vector_size(32)));
 typedef int16_t vcodes16 __attribute__((vector_size(64)));
@@ -384,6 +418,37 @@ inline vcodes codes_word_bits(uint32_t word, int value) {
 }
 inline vcodes codes_or(vcodes a, vcodes b) { return a | b; }
 inline vcodes codes_shl4(vcodes a) { return a << 4; }
+
+// The K-quants' integer products, as in the AVX2 block (the same exact int32 sums)
+typedef int32_t vsums __attribute__((vector_size(32)));
+struct vscale {
+  int16_t half[2];
+};
+struct vscales16 {
+  int16_t s[16];
+};
+inline vscale scale_same(int s) { return {{static_cast<int16_t>(s), static_cast<int16_t>(s)}}; }
+inline vscales16 scales16_load(const int8_t* p) {
+  vscales16 out;
+  for (int i = 0; i < 16; ++i) out.s[i] = p[i];
+  return out;
+}
+inline vscale scale_pair(const vscales16& all, int g) { return {{all.s[2 * g], all.s[2 * g + 1]}}; }
+inline vsums scaled_dot(vcodes code, const int8_t* x, vscale scale) {
+  vsums out{};
+  for (int i = 0; i < 32; ++i) out[i / 4] += code[i] * static_cast<int32_t>(x[i]) * scale.half[i / 16];
+  return out;
+}
+inline vsums pairs_dot16(const vscales16& a, const int16_t* b) {
+  vsums out{};
+  for (int i = 0; i < 16; ++i) out[i / 2] += a.s[i] * static_cast<int32_t>(b[i]);
+  return out;
+}
+inline vsums bytes_widen8(const uint8_t* a) {
+  vsums out;
+  for (int i = 0; i < 8; ++i) out[i] = a[i];
+  return out;
+}
 #endif
 
 }  // namespace simd
