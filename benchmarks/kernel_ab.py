@@ -7,12 +7,13 @@ older checkout); NEW_SO defaults to this checkout's build for the CPU. Each buil
 loaded in a process of its own (two builds share their module's name, and one process
 would load only the first), and each case runs alternately in the two, 15 x 10 calls;
 the minimum per call is printed: the box's swings fall on both alike. Sizes are SmolLM2's and stay in L2, so this measures the
-kernels' compute; whole-model decode speed is `ember bench offline`'s.
+kernels' compute (but for one case read from memory); whole-model decode speed is `ember bench offline`'s.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import subprocess
 import sys
 import time
@@ -67,6 +68,17 @@ def cases(module):
                 rows[..., offset : offset + 2] = torch.full((1,), 0.01).half().view(torch.uint8)
             x = torch.randn(1, k_dim)
             yield f"int8 {name}, 1 row", lambda x=x, w=rows: module.block_gemm_int8(x, w, None)
+        # from memory: SmolLM2's gate_up in Q8_0, one of 30 copies a call (110 MB), as a
+        # decode step streams its layers
+        copies = [torch.randint(0, 256, (3072, 18, 34), dtype=torch.uint8, generator=gen)
+                  for _ in range(30)]  # fmt: skip
+        for copy in copies:
+            copy[..., :2] = torch.full((1,), 0.01).half().view(torch.uint8)
+        turn, x = itertools.count(), torch.randn(1, 576)
+        yield (
+            "int8 Q8_0, 1 row, memory",
+            lambda: module.block_gemm_int8(x, copies[next(turn) % 30], None),
+        )
     q, k, v = torch.randn(8, 9, 64), torch.randn(512, 16, 3, 64), torch.randn(512, 16, 3, 64)
     tables, lens = torch.randperm(512)[: 8 * 60].view(8, 60), torch.full((8,), 900)
     yield (
