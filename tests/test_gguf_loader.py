@@ -439,6 +439,42 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("precision", ["bf16", "ieee"])
+@pytest.mark.parametrize("case", ["llama-k-quants", "llama-Q8_0-tied", "llama-mixed"])
+def test_max_rank_memory_counts_what_the_weights_will_hold(
+    tmp_path: Path, monkeypatch, case, precision
+):
+    """max_rank_memory's estimate, made from shapes before any weight is read, is to the
+    byte what the loaded model holds: GGUF blocks (a fused matmul's parts too), packed
+    copies, and no fp32 W for the matmuls that read only blocks. One byte less is refused
+    before a tensor is read."""
+    from ember import LLM
+    from ember.engine.kernels import cpu_kernels
+    from ember.models.layers import Linear
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES[case])
+    kv = 1 << 24
+    options = dict(kv_cache_memory=kv, matmul_precision=precision)
+    with LLM(str(path), **options) as llm:
+        runner = llm.engine.core.runner
+        held = runner.weight_bytes()
+        assert any(m.weight.is_meta for m in runner.model.modules() if isinstance(m, Linear))
+    read = []
+    dequantize = gguf_loader._dequantize
+    monkeypatch.setattr(
+        gguf_loader, "_dequantize", lambda t, data=None: read.append(t.name) or dequantize(t, data)
+    )
+    with pytest.raises(ValueError, match=r"max_rank_memory=\d+: rank 0's share"):
+        LLM(str(path), max_rank_memory=held + kv - 1, **options)
+    assert read == []
+    with LLM(str(path), max_rank_memory=held + kv, **options) as llm:
+        assert llm.engine.core.runner.weight_bytes() == held
+
+
 def test_a_weight_left_unread_for_blocks_that_do_not_serve_is_refused() -> None:
     """from_blocks promises that the blocks and the packed copy serve every row count; a
     matmul whose blocks the kernels do not take would multiply uninitialized memory."""

@@ -37,10 +37,10 @@ from ember.loader.checkpoint import Checkpoint, Narrow
 from ember.models import get_model_class
 from ember.models.layers import (
     BF16_MIN_ROWS,
-    Linear,
     block_decode_summary,
     can_pack_for_cpu,
     cpu_has_bf16,
+    planned_weight_bytes,
     use_int8_activations,
 )
 from ember.models.moe import SparseMoE
@@ -140,15 +140,20 @@ class ModelRunner:
         # refused before any weight is read
         self.bf16_prefill = bf16_prefill = packs and self._bf16_prefill()
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = model_cls(self.model_config, backend, max_model_len)
-        finally:
-            torch.set_default_dtype(default_dtype)
+
+        def build(device: torch.device | str) -> torch.nn.Module:
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with torch.device(device):
+                    return model_cls(self.model_config, backend, max_model_len)
+            finally:
+                torch.set_default_dtype(default_dtype)
+
+        model = build(self.device)
         startup.mark("model built")  # with the CPU kernels loaded (the attention backend)
-        self._check_rank_memory(model, packs, bf16_prefill)
+        if self.config.max_rank_memory is not None:  # on a copy of shapes only
+            self._check_rank_memory(build("meta"), checkpoint, packs, bf16_prefill)
         with _loading_threads():
             self._load_weights(model, checkpoint, packs, bf16_prefill)
         return model.eval()
@@ -158,17 +163,10 @@ class ModelRunner:
     ) -> None:
         # a tensor-parallel rank reads only its part of each split tensor
         narrow = model.shard_of if self.group.size > 1 else None
-        blocks = (
-            packs
-            and checkpoint.is_gguf
-            and self.config.gguf_blocks
-            and self.weight_dtype == torch.float32
-        )
+        blocks = self._reads_blocks(checkpoint, packs)
         from_blocks: set[str] = set()
         if blocks:  # first: a matmul that will read only its blocks skips its fp32 W
-            model.load_gguf_blocks(checkpoint.gguf_blocks(narrow))
-            if hasattr(model, "weights_from_blocks"):
-                from_blocks = model.weights_from_blocks(cpu_kernels(), bf16_prefill)
+            from_blocks = self._load_blocks(model, checkpoint, narrow, bf16_prefill)
         if from_blocks:
             model.load_weights(checkpoint.weights(_skipping(from_blocks, narrow)), from_blocks)
         else:
@@ -186,20 +184,43 @@ class ModelRunner:
                 f"dtype {self.weight_dtype} on CPU needs oneDNN (torch.backends.mkldnn)"
             )
 
-    def _check_rank_memory(self, model: torch.nn.Module, packs: bool, bf16_prefill: bool):
-        """Refuses, before any weight is read, a model whose share on this rank does not fit
-        max_rank_memory: its parameters, oneDNN's packed copies of its matmul weights (in
-        bf16 under bf16_prefill), and kv_cache_memory where given."""
-        limit = self.config.max_rank_memory
-        if limit is None:
-            return
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-        packed = sum(
-            m.weight.numel() * (2 if bf16_prefill else self.weight_dtype.itemsize)
-            for m in model.modules()
-            if isinstance(m, Linear) and packs
+    def _reads_blocks(self, checkpoint: Checkpoint, packs: bool) -> bool:
+        """Whether decode steps will read a GGUF file's blocks (CPU, float32 weights)."""
+        return (
+            packs
+            and checkpoint.is_gguf
+            and self.config.gguf_blocks
+            and self.weight_dtype == torch.float32
         )
-        need = params + packed + (self.config.kv_cache_memory or 0)
+
+    def _load_blocks(
+        self, model, checkpoint: Checkpoint, narrow: Narrow | None, bf16_prefill: bool,
+        shapes_only: bool = False,
+    ) -> set[str]:  # fmt: skip
+        """Hands `model` the file's blocks (meta tensors of their shapes, `shapes_only`);
+        the checkpoint tensors not to read, their matmuls reading only blocks."""
+        model.load_gguf_blocks(checkpoint.gguf_blocks(narrow, shapes_only))
+        if hasattr(model, "weights_from_blocks"):
+            return model.weights_from_blocks(cpu_kernels(), bf16_prefill)
+        return set()
+
+    def _check_rank_memory(
+        self, twin: torch.nn.Module, checkpoint: Checkpoint, packs: bool, bf16_prefill: bool
+    ) -> None:
+        """Refuses, before any weight is read, a model whose share on this rank does not fit
+        max_rank_memory: what its weights will hold (planned_weight_bytes: parameters,
+        oneDNN's packed copies of its matmul weights, in bf16 under bf16_prefill, GGUF
+        blocks, and no fp32 W for a matmul that reads only blocks), and kv_cache_memory
+        where given. `twin`: the model built on the meta device, which this fills with
+        the shapes of the file's blocks."""
+        limit = self.config.max_rank_memory
+        blocks = self._reads_blocks(checkpoint, packs)
+        if blocks:
+            narrow = twin.shard_of if self.group.size > 1 else None
+            self._load_blocks(twin, checkpoint, narrow, bf16_prefill, shapes_only=True)
+        packed = (2 if bf16_prefill else self.weight_dtype.itemsize) if packs else 0
+        weights = planned_weight_bytes(twin, cpu_kernels() if blocks else None, packed)
+        need = weights + (self.config.kv_cache_memory or 0)
         if need > limit:
             ranks = self.group.size * -(-need // limit)
             raise ValueError(
@@ -480,15 +501,16 @@ def _skipping(names: set[str], narrow: Narrow | None) -> Narrow:
 
 def module_weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's loaded weights (each tensor once; packed copies and GGUF
-    blocks too; not tables such as rotary's cos/sin)."""
+    blocks too, a fused matmul's parts and MoE experts' among them; not tables such as
+    rotary's cos/sin)."""
     seen, total = set(), 0
     tensors = list(module.parameters())
-    tensors += [
-        getattr(m, name)
-        for m in module.modules()
-        for name in ("packed", "blocks")
-        if isinstance(getattr(m, name, None), torch.Tensor)
-    ]
+    for m in module.modules():  # packed copies; blocks: one tensor, parts, or by name
+        for name in ("packed", "blocks", "block_parts"):
+            held = getattr(m, name, None)
+            held = held.values() if isinstance(held, dict) else held
+            held = [held] if isinstance(held, torch.Tensor) else held or []
+            tensors += [t for t in held if isinstance(t, torch.Tensor)]
     for tensor in tensors:
         if tensor.is_meta:  # a weight whose matmuls read only its blocks and packed copy
             continue

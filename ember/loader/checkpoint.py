@@ -70,14 +70,19 @@ class Checkpoint:
             self.num_bytes / 1e9 / max(seconds, 1e-9),
         )
 
-    def gguf_blocks(self, narrow: Narrow | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def gguf_blocks(
+        self, narrow: Narrow | None = None, shapes_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """A GGUF file's matrices in gguf_loader.BLOCK_FORMATS as raw blocks (nothing for
-        other checkpoints): decode steps read these instead of the fp32 weights."""
+        other checkpoints): decode steps read these instead of the fp32 weights.
+        `shapes_only`: meta tensors of their shapes, nothing read."""
         if not self.is_gguf:
             return
         from ember.loader.gguf_loader import iter_indexed_blocks
 
-        yield from iter_indexed_blocks(self.path, self.gguf_index, self.hf_config, narrow)
+        yield from iter_indexed_blocks(
+            self.path, self.gguf_index, self.hf_config, narrow, shapes_only
+        )
 
     def tokenizer(self):
         """The checkpoint's tokenizer, or None (with a warning) when it has none."""

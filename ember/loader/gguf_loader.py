@@ -356,57 +356,86 @@ BLOCK_FORMATS = frozenset({
 
 
 def iter_indexed_blocks(
-    path: Path, index: GGUFIndex, config: dict[str, Any], narrow: Narrow | None = None
+    path: Path,
+    index: GGUFIndex,
+    config: dict[str, Any],
+    narrow: Narrow | None = None,
+    shapes_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, uint8 [out_features, blocks per row, bytes per block]) for every
     matrix stored in one of BLOCK_FORMATS: its raw blocks, copied out of the file, rows in
     HF order; stacked experts one expert at a time, under per-expert names. With `narrow`,
     only the part of each matrix it names (nothing where that part's columns do not fall
-    on block boundaries)."""
+    on block boundaries). `shapes_only`: the same tensors on the meta device, nothing read
+    (what loading them would hold)."""
     interleaved_rope = index.architecture == "llama"
     for tensor in indexed_tensors(path, index):
         if tensor.tensor_type not in BLOCK_FORMATS:
             continue
         _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         num_columns = int(tensor.shape[0])
+        rows_of = _block_shape if shapes_only else _block_rows
         if match := _STACKED_EXPERTS.fullmatch(tensor.name):  # expert by expert
             layer, part = match.groups()
             for expert in range(tensor.data.shape[0]):
                 name = _expert_name(layer, expert, part)
                 piece = narrow(name) if narrow is not None else None
-                rows = _block_rows(tensor.data[expert], piece, type_size, num_columns)
+                rows = rows_of(tensor.data[expert], piece, type_size, num_columns)
                 if rows is not None:
-                    yield name, torch.from_numpy(rows)
+                    yield name, _as_tensor(rows)
             continue
         if len(tensor.shape) != 2:
             continue
         name = _hf_name(tensor.name)
         piece = narrow(name) if narrow is not None else None
-        rows = _block_rows(tensor.data, piece, type_size, num_columns)
+        rows = rows_of(tensor.data, piece, type_size, num_columns)
         if rows is None:
             continue
-        if interleaved_rope:
+        if interleaved_rope and not shapes_only:  # a permutation of rows: the same shape
             rows = _undo_rope_permutation(tensor.name, rows, config, tensor.data.shape[0])
-        yield name, torch.from_numpy(rows)
+        yield name, _as_tensor(rows)
+
+
+def _as_tensor(rows: np.ndarray | tuple[int, ...]) -> torch.Tensor:
+    """Blocks read (an array), or their shape alone (a meta tensor)."""
+    if isinstance(rows, tuple):
+        return torch.empty(rows, dtype=torch.uint8, device="meta")
+    return torch.from_numpy(rows)
 
 
 def _block_rows(data: np.ndarray, piece, type_size: int, num_columns: int) -> np.ndarray | None:
     """uint8 [rows, blocks per row, bytes per block] of a matrix's raw `data`, or of the
     part `piece` names (dim, start, length); None for SKIP, or columns that do not fall
     on block boundaries."""
-    if piece == SKIP:
+    shape = _block_shape(data, piece, type_size, num_columns)
+    if shape is None:
         return None
     if piece is not None and piece[0] == 0:
         data = data[piece[1] : piece[1] + piece[2]]
     rows = np.array(data, dtype=np.uint8)  # a row's blocks move as a whole
     rows = rows.reshape(rows.shape[0], -1, type_size)
     if piece is not None and piece[0] == 1:
-        per_block = num_columns // rows.shape[1]  # weights per block
+        start, length = piece[1] // (num_columns // rows.shape[1]), shape[1]
+        rows = np.ascontiguousarray(rows[:, start : start + length])
+    return rows
+
+
+def _block_shape(
+    data: np.ndarray, piece, type_size: int, num_columns: int
+) -> tuple[int, ...] | None:
+    """The shape _block_rows gives (None where it gives None), from `data`'s shape alone."""
+    if piece == SKIP:
+        return None
+    num_rows, blocks = data.shape[0], data.shape[1] // type_size
+    if piece is not None and piece[0] == 0:
+        num_rows = len(range(num_rows)[piece[1] : piece[1] + piece[2]])
+    if piece is not None and piece[0] == 1:
+        per_block = num_columns // blocks  # weights per block
         _, start, length = piece
         if start % per_block or length % per_block:
             return None
-        rows = np.ascontiguousarray(rows[:, start // per_block : (start + length) // per_block])
-    return rows
+        blocks = length // per_block
+    return (num_rows, blocks, type_size)
 
 
 def _iter_weights(

@@ -253,6 +253,29 @@ def use_int8_activations(model: nn.Module) -> None:
             module.int8_max_rows = INT8_MAX_ROWS
 
 
+def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int:
+    """The bytes `model`'s weights will hold once loaded and packed (pack_for_cpu), from
+    shapes alone, so that a copy on the meta device with its GGUF blocks given as meta
+    tensors tells it: each parameter once, less the W of a matmul marked `from_blocks`;
+    each matmul's packed copy (`packed_itemsize` bytes a weight; 0: none); the GGUF blocks
+    the block GEMM will read (MoE experts': all that came)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            skipped = isinstance(module, Linear) and module.from_blocks and name == "weight"
+            if id(param) not in seen and not skipped:
+                seen.add(id(param))
+                total += param.numel() * param.element_size()
+        if isinstance(module, Linear):
+            total += module.weight.numel() * packed_itemsize
+            if module._blocks_apply(kernels):
+                total += sum(part.numel() for part in module.block_list)
+        elif hasattr(module, "loaded_block_bytes"):  # MoE experts (Experts)
+            total += module.loaded_block_bytes()
+    return total
+
+
 def block_decode_summary(model: nn.Module) -> str | None:
     """A line for the log on the matmuls that read GGUF blocks in decode (None if none)."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.block_gemm is not None]

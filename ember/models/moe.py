@@ -238,6 +238,10 @@ class Experts(nn.Module):
             )
         self._block_parts[part, expert] = rows
 
+    def loaded_block_bytes(self) -> int:
+        """Bytes of the GGUF blocks load_blocks was given (before pack_for_cpu)."""
+        return sum(rows.numel() for rows in self._block_parts.values())
+
     def holds(self, expert: int) -> bool:
         """Whether this rank holds expert `expert` (every rank does without EP)."""
         return self.first <= expert < self.first + self.num_local
