@@ -212,7 +212,8 @@ class ModelRunner:
         oneDNN's packed copies of its matmul weights, in bf16 under bf16_prefill, GGUF
         blocks, and no fp32 W for a matmul that reads only blocks), and kv_cache_memory
         where given. `twin`: the model built on the meta device, which this fills with
-        the shapes of the file's blocks."""
+        the shapes of the file's blocks. Layers a config declares and a checkpoint lacks
+        (MTP layers that transformers does not save) count too."""
         limit = self.config.max_rank_memory
         blocks = self._reads_blocks(checkpoint, packs)
         if blocks:
