@@ -356,9 +356,10 @@ class EngineConfig:
     # (gguf_loader.BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as the file's blocks,
     # decoded in registers to exactly the fp32 weights (same results, 2-3x faster)
     gguf_blocks: bool = True
-    # how those block steps of one row (layers.INT8_MAX_ROWS) take their activations: "fp32"
-    # (exact), "int8" (each row rounded to int8 per 32 values, as llama.cpp does, and
-    # integer products) or "auto" (int8 unless matmul_precision is ieee, on the x86 builds)
+    # how those block steps of few rows (1-3 by format, layers.INT8_ROWS) take their
+    # activations: "fp32" (exact), "int8" (each row rounded to int8 per 32 values, as
+    # llama.cpp does, and integer products) or "auto" (int8 unless matmul_precision is
+    # ieee, on the x86 builds)
     decode_activations: str = "auto"
     seed: int = 0
     # disaggregation (the KV connector); the cluster secret comes from $EMBER_CLUSTER_SECRET

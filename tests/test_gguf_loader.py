@@ -522,11 +522,12 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
 ) -> None:
     """decode_activations auto rounds activations to int8 (on the x86 kernel builds) unless
     matmul_precision is ieee; int8 and fp32 are honoured either way; anything else is
-    refused by name. Under int8 the one-row steps run the int8 kernel, in the fused decode
-    layers too, and give the fp32 run's greedy tokens on this model (no near-ties)."""
+    refused by name. Under int8 steps of a few rows (1-3, by the blocks' format) run the
+    int8 kernel, in the fused decode layers too, and give the fp32 run's greedy tokens on
+    this model (no near-ties)."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels
-    from ember.models.layers import INT8_MAX_ROWS, Linear
+    from ember.models.layers import Linear, int8_rows
 
     kernels = cpu_kernels()
     if kernels is None:
@@ -535,18 +536,24 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES["llama-k-quants"])
     x86 = kernels.isa in ("avx512", "avx2")
-    cases = [("ieee", "auto", 0), ("bf16", "auto", INT8_MAX_ROWS if x86 else 0),
-             ("ieee", "int8", INT8_MAX_ROWS), ("bf16", "fp32", 0)]  # fmt: skip
+    cases = [("ieee", "auto", False), ("bf16", "auto", x86), ("ieee", "int8", True),
+             ("bf16", "fp32", False)]  # fmt: skip
     outputs = {}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    for precision, activations, rows in cases:
+    for precision, activations, int8 in cases:
         llm = LLM(str(path), kv_cache_memory=1 << 24, matmul_precision=precision,
                   decode_activations=activations)  # fmt: skip
         model = llm.engine.core.runner.model
         linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is not None]
-        assert linears and {m.int8_max_rows for m in linears} == {rows}
-        assert all((m.int8_gemm is not None) == bool(rows) for m in linears)
-        assert {layer.int8_max_rows for layer in model.model.fused_decode.layers} == {rows}
+        rows = {m: int8_rows(m.block_list) if int8 else 0 for m in linears}
+        assert linears and all(m.int8_max_rows == rows[m] for m in linears)
+        # Q5_0 up to 2 rows, the K-quant down projections (Q4_K, Q6_K) up to 3
+        assert set(rows.values()) == ({2, 3} if int8 else {0})
+        assert all((m.int8_gemm is not None) == int8 for m in linears)
+        for layer, fused in zip(model.model.layers, model.model.fused_decode.layers, strict=True):
+            matmuls = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj)  # fmt: skip
+            assert fused.int8_max_rows == [m.int8_max_rows for m in matmuls]
         outputs[precision, activations] = [
             o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8]], params)
         ]
@@ -562,9 +569,37 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
         llm = LLM(str(mixed), kv_cache_memory=1 << 24, decode_activations=activations)
         qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
         assert len(qkv.block_parts) == 3
-        assert qkv.int8_max_rows == (INT8_MAX_ROWS if activations == "int8" else 0)
+        assert qkv.int8_max_rows == (1 if activations == "int8" else 0)  # Q4_1 and Q8_0
         by_activations[activations] = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
     assert by_activations["int8"] == by_activations["fp32"]
+
+
+def test_int8_activations_cover_as_many_rows_as_pay_by_format(tmp_path: Path) -> None:
+    """Steps of two sequences' decodes multiply Q5_0 and K-quant blocks on int8 activations
+    but Q4_1 blocks on fp32 ones (int8 pays there at one row only): against the fp32 run,
+    the Q4_1 file's logprobs are the same to the bit, the other file's move (x rounded),
+    with the same tokens."""
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    for case, rounded in (("llama-Q4_1", False), ("llama-k-quants", True)):
+        path = tmp_path / f"{case}.gguf"
+        write_tiny_model(path, **BLOCK_CASES[case])
+        runs = {}
+        for activations in ("fp32", "int8"):
+            with LLM(str(path), kv_cache_memory=1 << 24, decode_activations=activations) as llm:
+                outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+            runs[activations] = [
+                (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+                for c in outputs
+            ]
+        for (tokens, exact), (int8_tokens, int8) in zip(runs["fp32"], runs["int8"], strict=True):
+            assert int8_tokens == tokens
+            assert (int8 != exact) == rounded, case
 
 
 # ---------------------------------------------------------------- config

@@ -207,6 +207,7 @@ class Linear(nn.Module):
         # the blocks decode to the fp32 W; a model converted to another dtype drops them
         if self._blocks_apply(kernels):
             self.block_gemm = kernels.block_gemm
+            self.int8_max_rows = min(self.int8_max_rows, int8_rows(self.block_list))
             self.int8_gemm = kernels.block_gemm_int8 if self.int8_max_rows else None
         else:
             self.blocks, self.block_parts = None, []
@@ -247,10 +248,16 @@ class Linear(nn.Module):
 
 def use_int8_activations(model: nn.Module) -> None:
     """Every matmul of `model` multiplies its GGUF blocks on int8 activations in steps of up
-    to INT8_MAX_ROWS rows (decode_activations int8); call before pack_for_cpu."""
+    to int8_rows(its blocks) rows (decode_activations int8); call before pack_for_cpu."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.int8_max_rows = INT8_MAX_ROWS
+            module.int8_max_rows = max(INT8_ROWS.values())
+
+
+def int8_rows(parts: list[torch.Tensor]) -> int:
+    """The most rows that multiply blocks in these formats faster on int8 activations
+    (the fewest of the parts'; 1 for formats not in INT8_ROWS)."""
+    return min((INT8_ROWS.get(part.shape[2], 1) for part in parts), default=1)
 
 
 def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int:
@@ -282,12 +289,15 @@ def block_decode_summary(model: nn.Module) -> str | None:
     if not linears:
         return None
     megabytes = sum(part.numel() for m in linears for part in m.block_list) / 1e6
-    int8 = max(m.int8_max_rows for m in linears)
-    return (
+    int8 = sorted({m.int8_max_rows for m in linears} - {0})
+    summary = (
         f"decode steps read the GGUF file's blocks for {len(linears)} matmuls "
         f"({megabytes:.0f} MB per step)"
-        + (f", with int8 activations in steps of up to {int8} row(s)" if int8 else "")
     )
+    if not int8:
+        return summary
+    rows = f"{int8[0]}" if len(int8) == 1 else f"{int8[0]}-{int8[-1]} (by format)"
+    return summary + f", with int8 activations in steps of up to {rows} row(s)"
 
 
 PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
@@ -296,11 +306,14 @@ PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
-# decode_activations int8: the block GEMM on int8 activations for this many rows. Measured
-# (benchmarks/int8_gemm.py, AMD EPYC, 2 threads, SmolLM2's shapes): 1.2-1.8x the fp32
-# activations' speed at 1 row, 0.9-1.4x at 2, slower from 4 (each row pays a float
-# conversion and scale per 32 products where fp32 shares one decoded vector)
-INT8_MAX_ROWS = 1
+# decode_activations int8: the block GEMM on int8 activations for up to this many rows,
+# by format (bytes per block). Measured (benchmarks/int8_gemm.py, AMD EPYC, 2 threads,
+# SmolLM2's shapes, blocks from memory; int8 / fp32 speed at 1, 2, 3 rows): Q4_0 / Q4_1
+# 1.2-1.3x, 0.97-1.14x, 0.76-0.92x; Q8_0 1.2-1.3x, 0.90-1.06x, 0.75-0.88x; Q5_0 / Q5_1
+# 1.5-2.0x, 1.1-1.45x, 0.9-1.15x; the K-quants 2.3-3x, 1.7-1.8x, 1.3-1.45x (their
+# integer sub-block sums). Each further row pays a float conversion and scale per 32
+# products, where the fp32 path shares one decoded vector among its rows.
+INT8_ROWS = {18: 1, 20: 1, 34: 1, 22: 2, 24: 2, 144: 3, 176: 3, 210: 3}
 # bf16_prefill: from here on the bf16 packed copy runs 2.3x (16 rows) to 4x (64 rows)
 # faster than oneDNN's fp32 (SmolLM2's layer, 1 thread); fewer rows stay exact
 BF16_MIN_ROWS = 16

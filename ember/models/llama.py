@@ -241,7 +241,7 @@ class FusedLayer(NamedTuple):
     blocks: list[list[torch.Tensor]]  # their GGUF blocks (Linear.block_list)
     qkv_bias: torch.Tensor | None
     block_max_rows: int  # the most rows multiplied on the blocks
-    int8_max_rows: int  # the most rows multiplied on them with int8 activations
+    int8_max_rows: list[int]  # the most rows each multiplies on int8 activations
 
 
 class FusedDecode:
@@ -273,7 +273,7 @@ class FusedDecode:
         # over the fp32 weight (measured, Qwen2.5-1.5B Q4_K, 4 sequences of 5 rows: ~1.7x)
         block_max_rows = BLOCK_GEMM_MAX_ROWS if packed[0] is not None else 1 << 30
         blocks = [lin.block_list if lin.block_gemm is not None else [] for lin in linears]
-        int8_max_rows = min(lin.int8_max_rows for lin in linears)
+        int8_max_rows = [lin.int8_max_rows for lin in linears]
         return FusedLayer(
             weights, packed, blocks, attn.qkv_proj.bias, block_max_rows, int8_max_rows
         )

@@ -41,9 +41,10 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // The same choice as ember.models.layers.Linear: ember's block GEMM on the GGUF blocks
-// of W up to `block_max_rows` (on int8 activations up to `int8_max_rows`), its small GEMM for other decode batches, oneDNN's packed
-// weight from `packed_min_rows` rows on, else MKL on the plain weight. bf16 weights
-// (under float32 x) multiply bf16 x into an fp32 result, as in Linear.
+// of W up to `block_max_rows` (on int8 activations up to the matmul's `int8_max_rows`),
+// its small GEMM for other decode batches, oneDNN's packed weight from `packed_min_rows`
+// rows on, else MKL on the plain weight. bf16 weights (under float32 x) multiply bf16 x
+// into an fp32 result, as in Linear.
 struct Limits {
   int64_t packed_min_rows, block_max_rows, int8_max_rows;
 };
@@ -90,16 +91,19 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
                            torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor slots, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t packed_min_rows,
-                           int64_t block_max_rows, int64_t int8_max_rows, pybind11::object reduce) {
+                           int64_t block_max_rows, std::vector<int64_t> int8_max_rows,
+                           pybind11::object reduce) {
   // reduce: None, or (tensor parallel) a Python callable summing a tensor over the ranks in
   // place; it gets the o and down projections' partial products (called with the GIL held)
-  TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4,
+  TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4 &&
+                  int8_max_rows.size() == 4,
               "decode_layer: weights");
-  const Limits limits{packed_min_rows, block_max_rows, int8_max_rows};
+  // the four matmuls' limits: they differ in int8_max_rows (by their blocks' format)
+  const auto limits = [&](int i) { return Limits{packed_min_rows, block_max_rows, int8_max_rows[i]}; };
   const int64_t num_seqs = hidden.size(0), head_dim = cos.size(1);
   auto x = first ? add_rms_norm(residual, c10::nullopt, weights[0], eps)
                  : add_rms_norm(residual, hidden, weights[0], eps);
-  auto qkv = linear(x, weights[2], packed[0], blocks[0], qkv_bias, limits)
+  auto qkv = linear(x, weights[2], packed[0], blocks[0], qkv_bias, limits(0))
                  .view({num_seqs, num_heads + 2 * num_kv_heads, head_dim});
   rotary_(qkv.narrow(1, 0, num_heads + num_kv_heads), cos, sin);
   write_kv(qkv.narrow(1, num_heads, num_kv_heads), qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads),
@@ -107,11 +111,11 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
   auto attn = paged_decode_attention(qkv.narrow(1, 0, num_heads).contiguous(), key_cache,
                                      value_cache, block_tables, context_lens, scale);
   auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], blocks[1],
-                  c10::nullopt, limits);
+                  c10::nullopt, limits(1));
   if (!reduce.is_none()) reduce(o);
   x = add_rms_norm(residual, o, weights[1], eps);
-  auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits));
-  auto down = linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits);
+  auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits(2)));
+  auto down = linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits(3));
   if (!reduce.is_none()) reduce(down);
   return down;
 }
