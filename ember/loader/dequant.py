@@ -49,15 +49,18 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 _TORCH_KERNELS = {_QT.Q4_0: _q4_0, _QT.Q4_1: _q4_1, _QT.Q8_0: _q8_0}
 
 
-# the block types ember's C++ decoders read (the block GEMM's formats)
-_CPP_TYPES = frozenset(
-    {_QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K}
-)
+# The block formats ember's block GEMM decodes to exactly the fp32 weights the loader
+# gives (each is told apart by its bytes per block: ember/engine/kernels/block_gemm.cpp);
+# its C++ decoders (`dequantize_blocks`) read the same.
+BLOCK_FORMATS = frozenset({
+    _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0,  # 32 weights per block
+    _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,  # 256 weights per super-block
+})  # fmt: skip
 
 
 def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """float32 values of `data` (rows of raw blocks, as gguf gives them)."""
-    kernels = built_cpu_kernels() if qtype in _CPP_TYPES else None
+    kernels = built_cpu_kernels() if qtype in BLOCK_FORMATS else None
     kernel = _TORCH_KERNELS.get(qtype)
     if kernels is None and kernel is None:
         return gguf.quants.dequantize(data, qtype)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ember.distributed.parallel import SKIP
-from ember.loader.dequant import dequantize
+from ember.loader.dequant import BLOCK_FORMATS, dequantize
 from ember.loader.gguf_index import GGUFIndex
 from ember.loader.gguf_index import tensors as indexed_tensors
 
@@ -345,14 +345,6 @@ def iter_indexed_weights(
     `narrow`, of each matrix only the part it names (see Checkpoint.weights)."""
     tensors = indexed_tensors(path, index)
     yield from _iter_weights(tensors, index.architecture, config, narrow)
-
-
-# The block formats ember's block GEMM decodes to exactly the fp32 weights loaded above
-# (each is told apart by its bytes per block: ember/engine/kernels/block_gemm.cpp).
-BLOCK_FORMATS = frozenset({
-    _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0,  # 32 weights per block
-    _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,  # 256 weights per super-block
-})  # fmt: skip
 
 
 def iter_indexed_blocks(
