@@ -380,6 +380,16 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
     )
 
 
+def dequantized_names(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the GGUF tensors the loader dequantizes from now on, as it does."""
+    read: list[str] = []
+    dequantize = gguf_loader._dequantize
+    monkeypatch.setattr(
+        gguf_loader, "_dequantize", lambda t, data=None: read.append(t.name) or dequantize(t, data)
+    )
+    return read
+
+
 @pytest.mark.parametrize("precision", ["bf16", "ieee"])
 @pytest.mark.parametrize("case", ["llama-k-quants", "llama-Q8_0-tied"])
 def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, case, precision):
@@ -398,11 +408,7 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES[case])
     options = dict(kv_cache_memory=1 << 24, matmul_precision=precision, decode_activations="fp32")
-    read = []  # the GGUF tensors the loader dequantized
-    dequantize = gguf_loader._dequantize
-    monkeypatch.setattr(
-        gguf_loader, "_dequantize", lambda t, data=None: read.append(t.name) or dequantize(t, data)
-    )
+    read = dequantized_names(monkeypatch)
     llm = LLM(str(path), **options)
     # a matmul weight is not even read: its packed copy is made from its blocks
     assert read and all("norm" in name or name == "token_embd.weight" for name in read)
@@ -463,11 +469,7 @@ def test_max_rank_memory_counts_what_the_weights_will_hold(
         runner = llm.engine.core.runner
         held = runner.weight_bytes()
         assert any(m.weight.is_meta for m in runner.model.modules() if isinstance(m, Linear))
-    read = []
-    dequantize = gguf_loader._dequantize
-    monkeypatch.setattr(
-        gguf_loader, "_dequantize", lambda t, data=None: read.append(t.name) or dequantize(t, data)
-    )
+    read = dequantized_names(monkeypatch)
     with pytest.raises(ValueError, match=r"max_rank_memory=\d+: rank 0's share"):
         LLM(str(path), max_rank_memory=held + kv - 1, **options)
     assert read == []
