@@ -1,5 +1,6 @@
 """The block GEMM with int8 activations against the exact one (fp32 activations), on the
 same GGUF blocks: SmolLM2's shapes, random codes with small fp16 scales, 1 to 8 rows.
+Q4_0, Q4_1 and Q8_0 blocks also in tiles of 16 features (`tile_blocks`: int8_tiles.cpp).
 
 The two alternate call by call, `--repeats` rounds; the minimum per call is printed with
 the bytes of W read per second. With several copies of W (`--copies`, 30 by default: one
@@ -20,6 +21,7 @@ import gguf
 import torch
 
 from ember.engine.kernels import cpu_kernels
+from ember.models.layers import TILE_HEADERS, tile_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kquant_gemm import random_blocks  # noqa: E402  (random codes, small fp16 scales)
@@ -40,7 +42,8 @@ def main() -> None:
         raise SystemExit("ember's CPU kernels could not be built here")
     torch.set_num_threads(args.threads)
     print(f"{kernels.isa} build, {args.threads} threads, {args.copies} copies of W")
-    print("format shape        rows   fp32 us  int8 us   fp32 GB/s  int8 GB/s  speed-up")
+    print("format shape        rows   fp32 us  int8 us  tiles us  fp32 GB/s  int8 GB/s"
+          "  tiles GB/s  int8 / tiles speed-up")  # fmt: skip
     for name in args.formats.split(","):
         for shape in args.shapes.split(","):
             out_features, in_features = map(int, shape.split("x"))
@@ -48,24 +51,30 @@ def main() -> None:
             if in_features % weights:
                 continue  # K-quants: whole 256-weight super-blocks only
             copies = [random_blocks(name, out_features, in_features) for _ in range(args.copies)]
+            tiled = [tile_blocks(w) for w in copies] if copies[0].shape[2] in TILE_HEADERS else []
             nbytes = copies[0].numel()
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, in_features)
-                best = {"fp32": float("inf"), "int8": float("inf")}
+                kinds = [
+                    ("fp32", kernels.block_gemm, copies),
+                    ("int8", kernels.block_gemm_int8, copies),
+                ]
+                if tiled:
+                    kinds.append(("tiles", kernels.block_gemm_int8, tiled))
+                best = dict.fromkeys(["fp32", "int8", "tiles"], float("nan"))
                 for _ in range(args.repeats):
-                    for kind, gemm in (
-                        ("fp32", kernels.block_gemm),
-                        ("int8", kernels.block_gemm_int8),
-                    ):
-                        for w in copies:
+                    for kind, gemm, weights in kinds:
+                        for w in weights:
                             gemm(x, w, None)
                         start = time.perf_counter()
-                        for w in copies:
+                        for w in weights:
                             gemm(x, w, None)
-                        best[kind] = min(best[kind], (time.perf_counter() - start) / len(copies))
-                fp32, int8 = best["fp32"], best["int8"]
+                        took = (time.perf_counter() - start) / len(weights)
+                        best[kind] = took if best[kind] != best[kind] else min(best[kind], took)
+                fp32, int8, tiles = best["fp32"], best["int8"], best["tiles"]
                 print(f"{name:6} {shape:12} {rows:4} {fp32 * 1e6:9.1f} {int8 * 1e6:8.1f}"
-                      f" {nbytes / fp32 / 1e9:11.1f} {nbytes / int8 / 1e9:10.1f} {fp32 / int8:9.2f}")  # fmt: skip
+                      f" {tiles * 1e6:9.1f} {nbytes / fp32 / 1e9:10.1f} {nbytes / int8 / 1e9:10.1f}"
+                      f" {nbytes / tiles / 1e9:11.1f} {fp32 / int8:6.2f} {fp32 / tiles:6.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -159,20 +159,25 @@ def quantized_int8(x: torch.Tensor) -> torch.Tensor:
     return ((amax / 127).double() * q.double()).view_as(x)
 
 
-@pytest.mark.parametrize("name", HALF_FIELDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-def test_block_gemm_int8_is_exact_on_int8_rounded_activations(name, rows, kernels):
-    """The int8 path multiplies the loaded fp32 W by x rounded to int8 per 32 values: within
-    fp32 rounding of that product in float64 (its integer sums are exact), on every code of
-    every format, and within x's rounding of the fp32 product."""
-    out_features, in_features = BLOCK_GEMM_SHAPES[block_shape(name)[0]]
-    blocks = random_blocks(name, out_features, in_features, seed=100 + rows)
-    w = dequantized(blocks, name)
-    torch.manual_seed(rows)
+TILED = ["Q4_0", "Q4_1", "Q8_0"]  # formats tile_blocks regroups
+
+
+def int8_case(name: str, rows: int, out_features: int, in_features: int, seed: int):
+    """Random blocks (every code), their fp32 W, and x with a group of zeros and one large
+    value (the rest of its group rounds to 0), and a bias."""
+    blocks = random_blocks(name, out_features, in_features, seed=seed)
+    torch.manual_seed(seed)
     x, b = torch.randn(rows, in_features) * torch.rand(rows, 1) * 4, torch.randn(out_features)
     x[0, :32] = 0  # a group of zeros: dx = 0
     x[-1, 40] = 1e4  # one large value: the rest of its group rounds to 0
-    y = kernels.block_gemm_int8(x, blocks, b)
+    return blocks, dequantized(blocks, name), x, b
+
+
+def assert_int8_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
+    """y is x W^T + b with x rounded to int8 per 32 values: within fp32 rounding of that
+    product in float64 (the integer sums are exact), and within x's rounding of the fp32
+    product. Returns the size of the terms that bounds y's rounding, per output."""
+    rows, out_features = y.shape
     xq = quantized_int8(x)
     exact = xq @ w.double().T + b.double()
     # the kernel sums scale * code * x and min * x apart: their size, not the products',
@@ -187,9 +192,71 @@ def test_block_gemm_int8_is_exact_on_int8_rounded_activations(name, rows, kernel
     assert (
         (y.double() - F.linear(x, w, b).double()).abs() <= bound * 1.001 + 2e-6 * magnitude
     ).all()
+    return magnitude
+
+
+@pytest.mark.parametrize("name", HALF_FIELDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_block_gemm_int8_is_exact_on_int8_rounded_activations(name, rows, kernels):
+    """The int8 path multiplies the loaded fp32 W by x rounded to int8 per 32 values: within
+    fp32 rounding of that product in float64 (its integer sums are exact), on every code of
+    every format, and within x's rounding of the fp32 product."""
+    blocks, w, x, b = int8_case(name, rows, *BLOCK_GEMM_SHAPES[block_shape(name)[0]], 100 + rows)
+    y = kernels.block_gemm_int8(x, blocks, b)
+    magnitude = assert_int8_product(y, x, w, b)
     # rows are independent: one row alone gives its result (up to the rounding above)
     alone = kernels.block_gemm_int8(x[-1:], blocks, b).double()
     assert ((alone - y[-1:].double()).abs() <= 4e-6 * magnitude[-1:]).all()
+
+
+@pytest.mark.parametrize("name", TILED)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_tiled_int8_gemm_is_exact_on_int8_rounded_activations(name, rows, kernels):
+    """Blocks in tiles of 16 features (the same bytes regrouped) give the int8 product as
+    the blocks do, each row the same bits alone as among others, and (where the CPU has
+    AVX512-VNNI) the same bits with and without its instruction."""
+    from ember.models.layers import tile_blocks
+
+    blocks, w, x, b = int8_case(name, rows, 960, 576, seed=200 + rows)
+    tiles = tile_blocks(blocks)
+    assert tiles.shape == (60, 18, 16, blocks.shape[2])
+    assert torch.equal(tiles.flatten().sort().values, blocks.flatten().sort().values)
+    y = kernels.block_gemm_int8(x, tiles, b)
+    assert_int8_product(y, x, w, b)
+    for i in range(rows):
+        assert torch.equal(kernels.block_gemm_int8(x[i : i + 1], tiles, b), y[i : i + 1])
+    if kernels.tiles_use_vnni():
+        assert torch.equal(kernels.tiled_gemm_int8(x, tiles, b, allow_vnni=False), y)
+
+
+def test_tiled_int8_gemm_gives_the_same_bits_on_every_build():
+    """The same integer sums and the same float operations per lane on every build."""
+    from ember.models.layers import tile_blocks
+
+    builds = [cpu_kernels(isa) for isa in supported_isas()]
+    if any(build is None for build in builds):
+        pytest.skip("no C++ toolchain to build kernels")
+    for name in TILED:
+        blocks, _, x, b = int8_case(name, 11, 320, 1024, seed=9)
+        tiles = tile_blocks(blocks)
+        results = [build.block_gemm_int8(x, tiles, b) for build in builds]
+        assert all(torch.equal(result, results[0]) for result in results[1:]), name
+
+
+def test_tiled_int8_gemm_refuses_what_it_cannot_take(kernels):
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="19-byte blocks are none of Q4_0, Q4_1, Q8_0"):
+        kernels.block_gemm_int8(x, torch.zeros(1, 2, 16, 19, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="3 blocks of 32 weights per row, for 64"):
+        kernels.block_gemm_int8(x, torch.zeros(1, 3, 16, 18, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match=r"tiles \[out / 16, blocks, 16, bytes\]"):
+        kernels.block_gemm_int8(x, torch.zeros(2, 2, 8, 18, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="contiguous uint8 tiles"):
+        kernels.block_gemm_int8(
+            x, torch.zeros(2, 16, 2, 18, dtype=torch.uint8).transpose(1, 2), None
+        )
+    with pytest.raises(RuntimeError, match="2-D float32 x"):
+        kernels.block_gemm_int8(x.double(), torch.zeros(1, 2, 16, 18, dtype=torch.uint8), None)
 
 
 def test_block_gemm_refuses_what_it_cannot_decode(kernels):

@@ -72,7 +72,8 @@ class Linear(nn.Module):
     - up to BLOCK_GEMM_MAX_ROWS, when W came from a GGUF file's blocks in one of the
       loader's BLOCK_FORMATS (`load_blocks`): ember's block GEMM, which decodes those
       blocks in registers to exactly the fp32 W (bit-identical results, 4-7x fewer bytes
-      streamed per step);
+      streamed per step); with int8 decode activations (`int8_max_rows`), its int8 GEMM,
+      on Q4_0 / Q4_1 / Q8_0 blocks regrouped into tiles of 16 features (`tile_blocks`);
     - up to SMALL_GEMM_MAX_ROWS (decode): ember's small GEMM (the CPU's vector build of
       it), which streams W once (measured: 18% faster than oneDNN at 4 rows, 8% faster
       than MKL at 1);
@@ -106,7 +107,8 @@ class Linear(nn.Module):
         self.block_parts: list[torch.Tensor] = []
         self.block_gemm = None  # ember's kernel over `blocks`, when it applies
         # up to this many rows multiply `blocks` with int8 activations (`int8_gemm`); set
-        # before pack_for_cpu, which keeps it only where the blocks are kept
+        # before pack_for_cpu, which keeps it only where the blocks are kept, and tiles
+        # Q4_0 / Q4_1 / Q8_0 blocks for it (tile_blocks: [out / 16, blocks, 16, bytes])
         self.int8_max_rows = 0
         self.int8_gemm = None
         self._block_parts: dict[int, torch.Tensor] = {}
@@ -207,6 +209,14 @@ class Linear(nn.Module):
         # the blocks decode to the fp32 W; a model converted to another dtype drops them
         if self._blocks_apply(kernels):
             self.block_gemm = kernels.block_gemm
+            if self.int8_max_rows and tiles_apply(self.block_list):
+                # int8 on tiles pays at every row count the blocks take (int8_rows), so
+                # the plain layout is not read again: the tiles replace it
+                parts = [tile_blocks(part) for part in self.block_list]
+                if self.blocks is not None:
+                    self.blocks = parts[0]
+                else:
+                    self.block_parts = parts
             self.int8_max_rows = min(self.int8_max_rows, int8_rows(self.block_list))
             self.int8_gemm = kernels.block_gemm_int8 if self.int8_max_rows else None
         else:
@@ -251,13 +261,50 @@ def use_int8_activations(model: nn.Module) -> None:
     to int8_rows(its blocks) rows (decode_activations int8); call before pack_for_cpu."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.int8_max_rows = max(INT8_ROWS.values())
+            module.int8_max_rows = BLOCK_GEMM_MAX_ROWS
+
+
+# Blocks tile_blocks regroups: bytes per block -> bytes of fp16 fields (d, m) before the codes
+TILE_HEADERS = {18: 2, 20: 4, 34: 2}  # Q4_0, Q4_1, Q8_0
+TILE_FEATURES = 16
+
+
+def tile_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks of 32 weights, uint8 [out_features, blocks per row, bytes per block]
+    (Q4_0, Q4_1 or Q8_0; out_features a multiple of 16), regrouped into the int8 GEMM's
+    tiles (int8_tiles.cpp): [out / 16, blocks per row, 16, bytes], the same bytes. At each
+    tile's block column come the 16 features' d (then m), then their codes as 4-byte
+    words, word c of all 16 together."""
+    rows, per_row, size = blocks.shape
+    header = TILE_HEADERS[size]
+    tiles = blocks.view(rows // TILE_FEATURES, TILE_FEATURES, per_row, size)
+    fields = tiles[..., :header].unflatten(3, (header // 2, 2)).permute(0, 2, 3, 1, 4)
+    words = tiles[..., header:].unflatten(3, ((size - header) // 4, 4)).permute(0, 2, 3, 1, 4)
+    out = torch.cat([fields.flatten(2), words.flatten(2)], dim=2)
+    return out.view(rows // TILE_FEATURES, per_row, TILE_FEATURES, size)
+
+
+def tiles_apply(parts: list[torch.Tensor]) -> bool:
+    """Whether every part of a W's blocks can be tiled (tile_blocks: Q4_0, Q4_1, Q8_0 with
+    out_features a multiple of 16)."""
+    return bool(parts) and all(
+        part.dim() == 3 and part.shape[2] in TILE_HEADERS and part.shape[0] % TILE_FEATURES == 0
+        for part in parts
+    )
 
 
 def int8_rows(parts: list[torch.Tensor]) -> int:
     """The most rows that multiply blocks in these formats faster on int8 activations
-    (the fewest of the parts'; 1 for formats not in INT8_ROWS)."""
-    return min((INT8_ROWS.get(part.shape[2], 1) for part in parts), default=1)
+    (the fewest of the parts'; tiles take every row count, BLOCK_GEMM_MAX_ROWS; 1 for
+    formats not in INT8_ROWS)."""
+    return (
+        min(
+            (BLOCK_GEMM_MAX_ROWS if part.dim() == 4 else INT8_ROWS.get(part.shape[2], 1))
+            for part in parts
+        )
+        if parts
+        else 1
+    )
 
 
 def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int:
@@ -306,14 +353,16 @@ PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
-# decode_activations int8: the block GEMM on int8 activations for up to this many rows,
-# by format (bytes per block). Measured (benchmarks/int8_gemm.py, AMD EPYC, 2 threads,
-# SmolLM2's shapes, blocks from memory; int8 / fp32 speed at 1, 2, 3 rows): Q4_0 / Q4_1
-# 1.2-1.3x, 0.97-1.14x, 0.76-0.92x; Q8_0 1.2-1.3x, 0.90-1.06x, 0.75-0.88x; Q5_0 / Q5_1
-# 1.5-2.0x, 1.1-1.45x, 0.9-1.15x; the K-quants 2.3-3x, 1.7-1.8x, 1.3-1.45x (their
-# integer sub-block sums). Each further row pays a float conversion and scale per 32
-# products, where the fp32 path shares one decoded vector among its rows.
-INT8_ROWS = {18: 1, 20: 1, 34: 1, 22: 2, 24: 2, 144: 3, 176: 3, 210: 3}
+# decode_activations int8: blocks that are not tiled (tile_blocks: Q5_0, Q5_1, the
+# K-quants; Q4_0, Q4_1, Q8_0 whose out_features are not a multiple of 16) multiply on
+# int8 activations up to this many rows, by format (bytes per block). Measured
+# (benchmarks/int8_gemm.py, AMD EPYC, 2 threads, SmolLM2's shapes, blocks from memory;
+# int8 / fp32 speed at 1, 2, 3, 4, 6 rows): Q4_1 1.1x, 1.0-1.1x, 0.8-1.2x, 0.7-0.8x;
+# Q5_0 1.6x, 1.25x, 1.0-1.1x, 0.9-1.0x; Q4_K 2.6x, 2.0x, 1.6x, 1.35x, 1.1x; Q6_K 2.8x,
+# 1.25x, 1.25x, 1.15x, 0.8x. Each further row pays a float conversion and scale per 32
+# products, where the fp32 path shares one decoded vector among its rows. Tiles take
+# every row count the blocks do (1.6-3.2x the fp32 path at 1-16 rows on Q4_1).
+INT8_ROWS = {18: 1, 20: 1, 34: 1, 22: 2, 24: 2, 144: 4, 176: 4, 210: 4}
 # bf16_prefill: from here on the bf16 packed copy runs 2.3x (16 rows) to 4x (64 rows)
 # faster than oneDNN's fp32 (SmolLM2's layer, 1 thread); fewer rows stay exact
 BF16_MIN_ROWS = 16

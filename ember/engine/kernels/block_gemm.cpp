@@ -33,10 +33,13 @@
 #include <algorithm>
 #include <vector>
 
+#include "int8_rows.h"
 #include "simd.h"
 
 namespace {
 
+using int8_rows::QuantizedRows;
+using int8_rows::quantize_rows;
 using simd::kLanes;
 using simd::vf;
 
@@ -441,44 +444,12 @@ void block_gemm_all(int64_t rows, const float* x, const uint8_t* w, float* y, in
 }
 
 // ---- int8 activations -------------------------------------------------------------
-// The int8 path (`block_gemm_int8`) quantizes each row of x to int8 per 32 values, as
-// llama.cpp does: x ~ dx * q, dx = max |x| / 127, q = x * (127 / max |x|) rounded to
-// nearest (ties to even). With w = scale * code + min for a 32-weight block,
+// The int8 path (`block_gemm_int8`) quantizes each row of x to int8 per 32 values
+// (int8_rows.h). With w = scale * code + min for a 32-weight block,
 //   sum_i w_i x_i ~ scale * dx * sum code_i q_i  +  min * dx * sum q_i,
 // where each sum of code_i q_i is an exact integer (AVX2's maddubs + madd, also in the
 // AVX-512 build), turned to float once per 8 products. Not bit-identical to the fp32
 // path: rounding x to 8 bits is its error (at most dx / 2 a value).
-struct QuantizedRows {
-  std::vector<int8_t> q;          // [rows, k]
-  std::vector<float> scale;       // dx: [rows, k / 32]
-  std::vector<float> group_sums;  // dx * (sum of q over each 32): [rows, k / 32]
-  std::vector<int16_t> sums16;    // sum of q over each 16: [rows, k / 16] (Q6_K)
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_dim) {
-  QuantizedRows out;
-  out.q.resize(rows * k_dim);
-  out.scale.resize(rows * k_dim / kGroupWeights);
-  out.group_sums.resize(rows * k_dim / kGroupWeights);
-  out.sums16.resize(rows * k_dim / 16);
-  for (int64_t g = 0; g < rows * k_dim / kGroupWeights; ++g) {
-    const float* xg = x + g * kGroupWeights;
-    float amax = 0.f;
-    for (int i = 0; i < kGroupWeights; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    const float d = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-    int8_t* q = out.q.data() + g * kGroupWeights;
-    int sum[2] = {0, 0};
-    for (int i = 0; i < kGroupWeights; ++i) {
-      q[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inverse));
-      sum[i / 16] += q[i];
-    }
-    out.scale[g] = d;
-    out.group_sums[g] = d * static_cast<float>(sum[0] + sum[1]);
-    out.sums16[2 * g] = static_cast<int16_t>(sum[0]);
-    out.sums16[2 * g + 1] = static_cast<int16_t>(sum[1]);
-  }
-  return out;
-}
 
 // acc += the block's products (`code`, `h`) with x's group (q, its dx and dx * sum of q)
 template <typename F>
@@ -673,8 +644,13 @@ torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<to
   });
 }
 
-// The same product with x's rows quantized to int8 (see the int8 section above).
+torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
+                              const c10::optional<torch::Tensor>& bias, bool allow_vnni);  // int8_tiles.cpp
+
+// The same product with x's rows quantized to int8 (see the int8 section above); 4-D
+// blocks are Q4_0 / Q4_1 / Q8_0 blocks in tiles of 16 features (int8_tiles.cpp).
 torch::Tensor block_gemm_int8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+  if (blocks.dim() == 4) return tiled_gemm_int8(x, blocks, bias, true);
   return blocks_product("block_gemm_int8", x, blocks, bias, [](auto format, auto... args) {
     int8_gemm_all<decltype(format)>(args...);
   });

@@ -274,6 +274,7 @@ void register_layer_kernels(pybind11::module& m);  // layers.cpp
 void register_decode_layer(pybind11::module& m);   // decode_layer.cpp
 void register_small_gemm(pybind11::module& m);     // small_gemm.cpp
 void register_block_gemm(pybind11::module& m);     // block_gemm.cpp
+void register_int8_tiles(pybind11::module& m);     // int8_tiles.cpp
 void register_prefill_attention(pybind11::module& m);  // prefill_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -284,5 +285,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_layer(m);
   register_small_gemm(m);
   register_block_gemm(m);
+  register_int8_tiles(m);
   register_prefill_attention(m);
 }

@@ -451,4 +451,96 @@ inline vsums bytes_widen8(const uint8_t* a) {
 }
 #endif
 
+// ---- int8 tiles (int8_tiles.cpp) ---------------------------------------------------
+// `vtile`: kLanes 32-bit lanes, lane j four bytes of output feature j's codes (or four
+// int8 values of x, the same in every lane), and the integer sums made of them.
+#if defined(__AVX512F__)
+using vtile = __m512i;
+inline vtile tile_zero() { return _mm512_setzero_si512(); }
+inline vtile tile_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vtile tile_set4(const int8_t* p) {  // p[0..3] in every lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+inline vtile tile_low4(vtile v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline vtile tile_high4(vtile v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+}
+// int16 pairs u_2i s_2i + u_2i+1 s_2i+1 (u unsigned, s signed; saturating, so the callers
+// keep |u| <= 128, |s| <= 127)
+inline vtile tile_pairs(vtile u, vtile s) { return _mm512_maddubs_epi16(u, s); }
+inline vtile tile_add16(vtile a, vtile b) { return _mm512_add_epi16(a, b); }
+inline vtile tile_add32(vtile a, vtile b) { return _mm512_add_epi32(a, b); }
+inline vtile tile_quads(vtile pairs) { return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)); }
+inline vtile tile_abs8(vtile v) { return _mm512_abs_epi8(v); }
+// x negated where w < 0 (where w = 0, |w| makes the product 0 whatever x is)
+inline vtile tile_sign8(vtile x, vtile w) {
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+inline vf tile_float(vtile v) { return _mm512_cvtepi32_ps(v); }
+inline vf abs(vf v) { return _mm512_abs_ps(v); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+// v rounded to nearest (ties to even, as std::nearbyint) into kLanes int8 at out, v
+// within [-127.5, 127.5]; returns their sum
+inline int round_to_int8(vf v, int8_t* out) {
+  const __m512i q = _mm512_cvtps_epi32(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q));
+  return _mm512_reduce_add_epi32(q);
+}
+inline vf halves_load(const uint8_t* p) {  // kLanes fp16 -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#elif defined(__AVX2__)
+using vtile = __m256i;
+inline vtile tile_zero() { return _mm256_setzero_si256(); }
+inline vtile tile_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vtile tile_set4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+inline vtile tile_low4(vtile v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline vtile tile_high4(vtile v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+inline vtile tile_pairs(vtile u, vtile s) { return _mm256_maddubs_epi16(u, s); }
+inline vtile tile_add16(vtile a, vtile b) { return _mm256_add_epi16(a, b); }
+inline vtile tile_add32(vtile a, vtile b) { return _mm256_add_epi32(a, b); }
+inline vtile tile_quads(vtile pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+inline vtile tile_abs8(vtile v) { return _mm256_abs_epi8(v); }
+inline vtile tile_sign8(vtile x, vtile w) { return _mm256_sign_epi8(x, w); }
+inline vf tile_float(vtile v) { return _mm256_cvtepi32_ps(v); }
+inline vf abs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline int round_to_int8(vf v, int8_t* out) {
+  const __m256i q = _mm256_cvtps_epi32(v);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(words, words));
+  const __m128i pairs = _mm_madd_epi16(words, _mm_set1_epi16(1));  // 4 sums of 2
+  const __m128i two = _mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 0xB1)));
+}
+inline vf halves_load(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+inline vf abs(vf v) {
+  for (int i = 0; i < kLanes; ++i) v[i] = std::fabs(v[i]);
+  return v;
+}
+inline vf max(vf a, vf b) {
+  for (int i = 0; i < kLanes; ++i) a[i] = std::fmax(a[i], b[i]);
+  return a;
+}
+inline int round_to_int8(vf v, int8_t* out) {
+  int sum = 0;
+  for (int i = 0; i < kLanes; ++i) {
+    out[i] = static_cast<int8_t>(std::nearbyint(v[i]));
+    sum += out[i];
+  }
+  return sum;
+}
+#endif
+
 }  // namespace simd

@@ -1,0 +1,177 @@
+// y = x W^T on int8 activations for decode batches (1-16 rows of x), W as GGUF blocks of
+// 32 weights (Q4_0, Q4_1, Q8_0) regrouped into tiles of 16 output features, so that each
+// vector lane is one output feature: the integer sums of a block are made lane by lane
+// and scaled lane by lane, with no reduction across lanes and no float work shared
+// between rows of x. block_gemm.cpp's int8 path instead sums one feature's products
+// across the lanes, then converts and scales them for every row of x: a row costs it
+// about as much as the weights' decoding, so it paid for one row only on these formats.
+// The idea is llama.cpp's row-interleaved ("repacked") blocks; the layout is ember's.
+//
+// Tiles (`ember.models.layers.tile_blocks` makes them from [n, blocks, bytes] blocks):
+// uint8 [n / 16, blocks per row, 16, bytes per block], each [16, bytes] the 16 features'
+// blocks at one block column, the same bytes regrouped:
+//   the 16 fp16 d (32 bytes); Q4_1: then the 16 fp16 m (32 bytes);
+//   then the codes as 4-byte words, word c of the 16 features together (64 bytes each):
+//     Q4_0 / Q4_1: words 0-3, bytes 4c..4c+3 of the block's 16: their low nibbles are
+//                  weights 4c..4c+3, their high nibbles weights 16+4c..16+4c+3;
+//     Q8_0:        words 0-7, weights 4c..4c+3 (int8).
+// x is quantized per 32 values (int8_rows.h: q, dx, dx * sum q). Per block, lane j sums
+// code * q exactly in int32 (maddubs, then madd; Q8_0's signs move onto x), then
+//   acc_j = fma(float(sum_j), d_j * dx, acc_j);   acc_j = fma(min_j, dx * sum q, acc_j)
+// with min_j = -8 d_j (Q4_0), m_j (Q4_1), none (Q8_0). The generic build does the same
+// operations one lane at a time (std::fma), so every build gives the same bits, and a
+// row's result does not depend on the other rows of x.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "int8_rows.h"
+#include "simd.h"
+
+namespace {
+
+using int8_rows::QuantizedRows;
+using simd::kLanes;
+using simd::vf;
+
+constexpr int kTile = 16;   // output features per tile
+constexpr int kGroup = 32;  // weights per block
+
+enum class Min { kNone, kMinus8d, kStored };
+
+template <int64_t Bytes, int Words, bool Nibbles, Min M>
+struct TileFormat {
+  static constexpr int64_t kBytes = Bytes;  // per feature and block, as in the file
+  static constexpr int kWords = Words;      // 4-byte words of codes per feature and block
+  static constexpr bool kNibbles = Nibbles;
+  static constexpr Min kMin = M;
+  static constexpr int64_t kHeader = (M == Min::kStored ? 4 : 2) * kTile;  // d (and m)
+};
+using TQ4_0 = TileFormat<18, 4, true, Min::kMinus8d>;
+using TQ4_1 = TileFormat<20, 4, true, Min::kStored>;
+using TQ8_0 = TileFormat<34, 8, false, Min::kNone>;
+
+template <typename Fn>
+bool with_tile_format(int64_t block_bytes, const Fn& fn) {
+  switch (block_bytes) {
+    case TQ4_0::kBytes: fn(TQ4_0{}); return true;
+    case TQ4_1::kBytes: fn(TQ4_1{}); return true;
+    case TQ8_0::kBytes: fn(TQ8_0{}); return true;
+    default: return false;
+  }
+}
+
+// x's rows, as one tile multiplies them: row m's int8 values, dx and dx * sum q per block
+struct Rows {
+  const int8_t* q;
+  const float *scale, *sums;
+  int64_t k_dim, groups;  // per row
+};
+
+#if defined(__AVX2__)
+constexpr int kPass = kLanes == 16 ? 8 : 4;  // rows of x per pass over a tile (registers)
+#else
+constexpr int kPass = 8;
+#endif
+
+#define TILE_ROWS tile_rows
+#include "int8_tiles.inc"
+#undef TILE_ROWS
+
+#if defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+#define TILES_VNNI
+#define TILE_ROWS tile_rows_vnni
+#include "int8_tiles.inc"
+#undef TILE_ROWS
+#undef TILES_VNNI
+#pragma GCC pop_options
+const bool kHasVnni = __builtin_cpu_supports("avx512vnni");
+#else
+constexpr bool kHasVnni = false;
+template <typename F, int M>
+void tile_rows_vnni(const Rows& x, const uint8_t* tile, int64_t blocks, float* y, int64_t n_dim) {
+  tile_rows<F, M>(x, tile, blocks, y, n_dim);  // never called: no VNNI in this build
+}
+#endif
+
+template <typename F, int M>
+void rows_on_tile(bool vnni, const Rows& x, const uint8_t* tile, int64_t blocks, float* y, int64_t n_dim) {
+  if (vnni)
+    tile_rows_vnni<F, M>(x, tile, blocks, y, n_dim);
+  else
+    tile_rows<F, M>(x, tile, blocks, y, n_dim);
+}
+
+template <typename F>
+void tiled_all(bool vnni, int64_t rows, const float* x, const uint8_t* tiles, float* y,
+               int64_t k_dim, int64_t n_dim) {
+  const QuantizedRows xq = int8_rows::quantize_rows(x, rows, k_dim);
+  const int64_t blocks = k_dim / kGroup, tile_bytes = blocks * kTile * F::kBytes;
+  at::parallel_for(0, n_dim / kTile, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t m0 = 0; m0 < rows; m0 += kPass) {
+        const Rows part{xq.q.data() + m0 * k_dim, xq.scale.data() + m0 * blocks,
+                        xq.group_sums.data() + m0 * blocks, k_dim, blocks};
+        const auto run = [&](auto rows_here) {
+          rows_on_tile<F, decltype(rows_here)::value>(vnni, part, tiles + t * tile_bytes, blocks,
+                                                      y + m0 * n_dim + t * kTile, n_dim);
+        };
+        switch (std::min<int64_t>(kPass, rows - m0)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 4: run(std::integral_constant<int, 4>{}); break;
+#if !defined(__AVX2__) || defined(__AVX512F__)
+          case 5: run(std::integral_constant<int, 5>{}); break;
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 7: run(std::integral_constant<int, 7>{}); break;
+          case 8: run(std::integral_constant<int, 8>{}); break;
+#endif
+        }
+      }
+  });
+}
+
+}  // namespace
+
+bool tiled_format(int64_t block_bytes) {
+  return with_tile_format(block_bytes, [](auto) {});
+}
+
+// x W^T (+ b), W as tiles [n / 16, blocks per row, 16, bytes per block] (see the top)
+// allow_vnni: false keeps to maddubs + madd where the CPU has AVX512-VNNI (the tests hold
+// the two to the same bits)
+torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
+                              const c10::optional<torch::Tensor>& bias, bool allow_vnni) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(0) >= 1,
+              "tiled_gemm_int8: 2-D float32 x with rows");
+  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.dim() == 4 && tiles.size(2) == kTile &&
+                  tiles.is_contiguous(),
+              "tiled_gemm_int8: contiguous uint8 tiles [out / 16, blocks, 16, bytes]");
+  TORCH_CHECK(tiled_format(tiles.size(3)), "tiled_gemm_int8: ", tiles.size(3),
+              "-byte blocks are none of Q4_0, Q4_1, Q8_0");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = tiles.size(0) * kTile;
+  TORCH_CHECK(tiles.size(1) * kGroup == k_dim, "tiled_gemm_int8: ", tiles.size(1),
+              " blocks of 32 weights per row, for ", k_dim, " in_features");
+  auto y = torch::empty({rows, n_dim}, x.options());
+  with_tile_format(tiles.size(3), [&](auto format) {
+    tiled_all<decltype(format)>(allow_vnni && kHasVnni, rows, x.data_ptr<float>(), tiles.data_ptr<uint8_t>(),
+                                y.data_ptr<float>(), k_dim, n_dim);
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+void register_int8_tiles(pybind11::module& m) {
+  m.def("tiled_gemm_int8", &tiled_gemm_int8,
+        "x W^T (+ b) on int8 activations, W as Q4_0 / Q4_1 / Q8_0 blocks in tiles of 16 features",
+        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("bias"),
+        pybind11::arg("allow_vnni") = true);
+  m.def("tiles_use_vnni", [] { return kHasVnni; }, "whether the tiles' sums use AVX512-VNNI here");
+  m.def("tiled_format", &tiled_format, "whether blocks of this many bytes can be tiled");
+}
