@@ -1,6 +1,6 @@
 """The block GEMM with int8 activations against the exact one (fp32 activations), on the
 same GGUF blocks: SmolLM2's shapes, random codes with small fp16 scales, 1 to 8 rows.
-Q4_0, Q4_1 and Q8_0 blocks also in tiles of 16 features (`tile_blocks`: int8_tiles.cpp).
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks also in tiles of 16 features (`tile_blocks`: int8_tiles.cpp).
 
 The two alternate call by call, `--repeats` rounds; the minimum per call is printed with
 the bytes of W read per second. With several copies of W (`--copies`, 30 by default: one
@@ -21,7 +21,7 @@ import gguf
 import torch
 
 from ember.engine.kernels import cpu_kernels
-from ember.models.layers import TILE_HEADERS, tile_blocks
+from ember.models.layers import TILE_FORMATS, tile_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kquant_gemm import random_blocks  # noqa: E402  (random codes, small fp16 scales)
@@ -51,7 +51,7 @@ def main() -> None:
             if in_features % weights:
                 continue  # K-quants: whole 256-weight super-blocks only
             copies = [random_blocks(name, out_features, in_features) for _ in range(args.copies)]
-            tiled = [tile_blocks(w) for w in copies] if copies[0].shape[2] in TILE_HEADERS else []
+            tiled = [tile_blocks(w) for w in copies] if copies[0].shape[2] in TILE_FORMATS else []
             nbytes = copies[0].numel()
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, in_features)

@@ -159,7 +159,7 @@ def quantized_int8(x: torch.Tensor) -> torch.Tensor:
     return ((amax / 127).double() * q.double()).view_as(x)
 
 
-TILED = ["Q4_0", "Q4_1", "Q8_0"]  # formats tile_blocks regroups
+TILED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # formats tile_blocks regroups
 
 
 def int8_case(name: str, rows: int, out_features: int, in_features: int, seed: int):
@@ -212,15 +212,18 @@ def test_block_gemm_int8_is_exact_on_int8_rounded_activations(name, rows, kernel
 @pytest.mark.parametrize("name", TILED)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
 def test_tiled_int8_gemm_is_exact_on_int8_rounded_activations(name, rows, kernels):
-    """Blocks in tiles of 16 features (the same bytes regrouped) give the int8 product as
-    the blocks do, each row the same bits alone as among others, and (where the CPU has
+    """Blocks in tiles of 16 features (the same bytes regrouped; Q5's fifth bits regrouped
+    within their words) give the int8 product as the blocks do, each row the same bits alone as among others, and (where the CPU has
     AVX512-VNNI) the same bits with and without its instruction."""
     from ember.models.layers import tile_blocks
 
     blocks, w, x, b = int8_case(name, rows, 960, 576, seed=200 + rows)
     tiles = tile_blocks(blocks)
     assert tiles.shape == (60, 18, 16, blocks.shape[2])
-    assert torch.equal(tiles.flatten().sort().values, blocks.flatten().sort().values)
+    if not name.startswith("Q5"):  # the same bytes, regrouped
+        assert torch.equal(tiles.flatten().sort().values, blocks.flatten().sort().values)
+    bits = torch.tensor([bin(v).count("1") for v in range(256)])  # Q5: fifth bits regrouped too
+    assert bits[tiles.flatten().long()].sum() == bits[blocks.flatten().long()].sum()
     y = kernels.block_gemm_int8(x, tiles, b)
     assert_int8_product(y, x, w, b)
     for i in range(rows):
@@ -245,7 +248,9 @@ def test_tiled_int8_gemm_gives_the_same_bits_on_every_build():
 
 def test_tiled_int8_gemm_refuses_what_it_cannot_take(kernels):
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="19-byte blocks are none of Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(
+        RuntimeError, match="19-byte blocks are none of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0"
+    ):
         kernels.block_gemm_int8(x, torch.zeros(1, 2, 16, 19, dtype=torch.uint8), None)
     with pytest.raises(RuntimeError, match="3 blocks of 32 weights per row, for 64"):
         kernels.block_gemm_int8(x, torch.zeros(1, 3, 16, 18, dtype=torch.uint8), None)

@@ -524,9 +524,9 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
 ) -> None:
     """decode_activations auto rounds activations to int8 (on the x86 kernel builds) unless
     matmul_precision is ieee; int8 and fp32 are honoured either way; anything else is
-    refused by name. Under int8 steps of a few rows (2-4, by the blocks' format; Q4_0,
-    Q4_1 and Q8_0 tiled, every row count) run the int8 kernel, in the fused decode layers
-    too, and give the fp32 run's greedy tokens on this model (no near-ties)."""
+    refused by name. Under int8 decode steps run the int8 kernel (Q4_0, Q4_1, Q5_0, Q5_1
+    and Q8_0 blocks tiled, at every row count; K-quants up to 4 rows), in the fused
+    decode layers too, and give the fp32 run's greedy tokens on this model (no near-ties)."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels
     from ember.models.layers import Linear, int8_rows
@@ -549,8 +549,8 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
         linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is not None]
         rows = {m: int8_rows(m.block_list) if int8 else 0 for m in linears}
         assert linears and all(m.int8_max_rows == rows[m] for m in linears)
-        # Q5_0 up to 2 rows, the K-quant down projections (Q4_K, Q6_K) up to 4
-        assert set(rows.values()) == ({2, 4} if int8 else {0})
+        # Q5_0 tiled (every row count), the K-quant down projections (Q4_K, Q6_K) up to 4
+        assert set(rows.values()) == ({16, 4} if int8 else {0})
         assert all((m.int8_gemm is not None) == int8 for m in linears)
         for layer, fused in zip(model.model.layers, model.model.fused_decode.layers, strict=True):
             matmuls = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -580,7 +580,7 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
 def test_int8_decode_steps_of_several_rows_round_and_leave_rows_independent(
     tmp_path: Path,
 ) -> None:
-    """Steps of two sequences multiply tiled Q4_1 blocks and plain Q5_0 / K-quant blocks
+    """Steps of two sequences multiply tiled Q4_1 / Q5_0 blocks and plain K-quant blocks
     on int8 activations: against the fp32 run the logprobs move (x rounded), the greedy
     tokens stay (these tiny models' first near-tie comes after 9 tokens). On tiles no
     float work is shared between rows, so each sequence run alone gives the same tokens

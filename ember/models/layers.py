@@ -264,31 +264,44 @@ def use_int8_activations(model: nn.Module) -> None:
             module.int8_max_rows = BLOCK_GEMM_MAX_ROWS
 
 
-# Blocks tile_blocks regroups: bytes per block -> bytes of fp16 fields (d, m) before the codes
-TILE_HEADERS = {18: 2, 20: 4, 34: 2}  # Q4_0, Q4_1, Q8_0
+# Blocks tile_blocks regroups, by bytes per block: (fp16 fields (d, m), bytes of fifth bits)
+TILE_FORMATS = {18: (1, 0), 20: (2, 0), 22: (1, 4), 24: (2, 4), 34: (1, 0)}
 TILE_FEATURES = 16
 
 
 def tile_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks of 32 weights, uint8 [out_features, blocks per row, bytes per block]
-    (Q4_0, Q4_1 or Q8_0; out_features a multiple of 16), regrouped into the int8 GEMM's
-    tiles (int8_tiles.cpp): [out / 16, blocks per row, 16, bytes], the same bytes. At each
-    tile's block column come the 16 features' d (then m), then their codes as 4-byte
-    words, word c of all 16 together."""
+    (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0; out_features a multiple of 16), regrouped into the
+    int8 GEMM's tiles (int8_tiles.cpp): [out / 16, blocks per row, 16, bytes], the same
+    bytes. At each tile's block column come the 16 features' d (then m), their fifth bits
+    (Q5_0 / Q5_1: a word each, byte c holding those of weights 4c..4c+3 and 16+4c..
+    16+4c+3), then their codes as 4-byte words, word c of all 16 together."""
     rows, per_row, size = blocks.shape
-    header = TILE_HEADERS[size]
+    fields, fifth = TILE_FORMATS[size]
     tiles = blocks.view(rows // TILE_FEATURES, TILE_FEATURES, per_row, size)
-    fields = tiles[..., :header].unflatten(3, (header // 2, 2)).permute(0, 2, 3, 1, 4)
-    words = tiles[..., header:].unflatten(3, ((size - header) // 4, 4)).permute(0, 2, 3, 1, 4)
-    out = torch.cat([fields.flatten(2), words.flatten(2)], dim=2)
+    header = 2 * fields
+    parts = [tiles[..., :header].unflatten(3, (fields, 2))]
+    if fifth:  # the file's u32 qh: bit i is weight i's fifth bit
+        qh = tiles[..., header : header + 4].to(torch.int64)
+        qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+        out = torch.zeros_like(qh)
+        for c in range(4):
+            for t in range(4):
+                out |= ((qh >> (4 * c + t)) & 1) << (8 * c + t)
+                out |= ((qh >> (16 + 4 * c + t)) & 1) << (8 * c + 4 + t)
+        word = torch.stack([(out >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+        parts.append(word.to(torch.uint8).unsqueeze(3))
+    parts.append(tiles[..., header + fifth :].unflatten(3, ((size - header - fifth) // 4, 4)))
+    # each [tiles, 16, blocks, fields or words, bytes]: features innermost but for the bytes
+    out = torch.cat([part.permute(0, 2, 3, 1, 4).flatten(2) for part in parts], dim=2)
     return out.view(rows // TILE_FEATURES, per_row, TILE_FEATURES, size)
 
 
 def tiles_apply(parts: list[torch.Tensor]) -> bool:
-    """Whether every part of a W's blocks can be tiled (tile_blocks: Q4_0, Q4_1, Q8_0 with
-    out_features a multiple of 16)."""
+    """Whether every part of a W's blocks can be tiled (tile_blocks: Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0 with out_features a multiple of 16)."""
     return bool(parts) and all(
-        part.dim() == 3 and part.shape[2] in TILE_HEADERS and part.shape[0] % TILE_FEATURES == 0
+        part.dim() == 3 and part.shape[2] in TILE_FORMATS and part.shape[0] % TILE_FEATURES == 0
         for part in parts
     )
 
@@ -353,9 +366,9 @@ PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
-# decode_activations int8: blocks that are not tiled (tile_blocks: Q5_0, Q5_1, the
-# K-quants; Q4_0, Q4_1, Q8_0 whose out_features are not a multiple of 16) multiply on
-# int8 activations up to this many rows, by format (bytes per block). Measured
+# decode_activations int8: blocks that are not tiled (the K-quants; the 32-weight formats
+# where out_features is not a multiple of 16) multiply on int8 activations up to this
+# many rows, by format (bytes per block). Measured
 # (benchmarks/int8_gemm.py, AMD EPYC, 2 threads, SmolLM2's shapes, blocks from memory;
 # int8 / fp32 speed at 1, 2, 3, 4, 6 rows): Q4_1 1.1x, 1.0-1.1x, 0.8-1.2x, 0.7-0.8x;
 # Q5_0 1.6x, 1.25x, 1.0-1.1x, 0.9-1.0x; Q4_K 2.6x, 2.0x, 1.6x, 1.35x, 1.1x; Q6_K 2.8x,

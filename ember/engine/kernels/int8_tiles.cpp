@@ -1,5 +1,5 @@
 // y = x W^T on int8 activations for decode batches (1-16 rows of x), W as GGUF blocks of
-// 32 weights (Q4_0, Q4_1, Q8_0) regrouped into tiles of 16 output features, so that each
+// 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) regrouped into tiles of 16 output features, so that each
 // vector lane is one output feature: the integer sums of a block are made lane by lane
 // and scaled lane by lane, with no reduction across lanes and no float work shared
 // between rows of x. block_gemm.cpp's int8 path instead sums one feature's products
@@ -10,15 +10,17 @@
 // Tiles (`ember.models.layers.tile_blocks` makes them from [n, blocks, bytes] blocks):
 // uint8 [n / 16, blocks per row, 16, bytes per block], each [16, bytes] the 16 features'
 // blocks at one block column, the same bytes regrouped:
-//   the 16 fp16 d (32 bytes); Q4_1: then the 16 fp16 m (32 bytes);
+//   the 16 fp16 d (32 bytes); Q4_1 / Q5_1: then the 16 fp16 m (32 bytes);
+//   Q5_0 / Q5_1: then the fifth bits, a 4-byte word per feature (64 bytes), its byte c
+//     the fifth bits of weights 4c..4c+3 (bits 0-3) and 16+4c..16+4c+3 (bits 4-7);
 //   then the codes as 4-byte words, word c of the 16 features together (64 bytes each):
-//     Q4_0 / Q4_1: words 0-3, bytes 4c..4c+3 of the block's 16: their low nibbles are
-//                  weights 4c..4c+3, their high nibbles weights 16+4c..16+4c+3;
-//     Q8_0:        words 0-7, weights 4c..4c+3 (int8).
+//     Q4_0 / Q4_1 / Q5_0 / Q5_1: words 0-3, bytes 4c..4c+3 of the block's 16: their low
+//       nibbles are weights 4c..4c+3, their high nibbles weights 16+4c..16+4c+3;
+//     Q8_0: words 0-7, weights 4c..4c+3 (int8).
 // x is quantized per 32 values (int8_rows.h: q, dx, dx * sum q). Per block, lane j sums
 // code * q exactly in int32 (maddubs, then madd; Q8_0's signs move onto x), then
 //   acc_j = fma(float(sum_j), d_j * dx, acc_j);   acc_j = fma(min_j, dx * sum q, acc_j)
-// with min_j = -8 d_j (Q4_0), m_j (Q4_1), none (Q8_0). The generic build does the same
+// with min_j = -8 d_j (Q4_0), -16 d_j (Q5_0), m_j (Q4_1, Q5_1), none (Q8_0). The generic build does the same
 // operations one lane at a time (std::fma), so every build gives the same bits, and a
 // row's result does not depend on the other rows of x.
 #include <torch/extension.h>
@@ -39,25 +41,32 @@ using simd::vf;
 constexpr int kTile = 16;   // output features per tile
 constexpr int kGroup = 32;  // weights per block
 
-enum class Min { kNone, kMinus8d, kStored };
+enum class Min { kNone, kMinus8d, kMinus16d, kStored };
+enum class Codes { kNibbles, kFiveBits, kInt8 };
 
-template <int64_t Bytes, int Words, bool Nibbles, Min M>
+template <int64_t Bytes, Codes C, Min M>
 struct TileFormat {
   static constexpr int64_t kBytes = Bytes;  // per feature and block, as in the file
-  static constexpr int kWords = Words;      // 4-byte words of codes per feature and block
-  static constexpr bool kNibbles = Nibbles;
+  static constexpr Codes kCodes = C;
   static constexpr Min kMin = M;
-  static constexpr int64_t kHeader = (M == Min::kStored ? 4 : 2) * kTile;  // d (and m)
+  static constexpr int kWords = C == Codes::kInt8 ? 8 : 4;  // 4-byte words of codes
+  // where the fifth bits start (after d, and m), and the codes (after them)
+  static constexpr int64_t kHighBits = (M == Min::kStored ? 4 : 2) * kTile;
+  static constexpr int64_t kHeader = kHighBits + (C == Codes::kFiveBits ? 4 * kTile : 0);
 };
-using TQ4_0 = TileFormat<18, 4, true, Min::kMinus8d>;
-using TQ4_1 = TileFormat<20, 4, true, Min::kStored>;
-using TQ8_0 = TileFormat<34, 8, false, Min::kNone>;
+using TQ4_0 = TileFormat<18, Codes::kNibbles, Min::kMinus8d>;
+using TQ4_1 = TileFormat<20, Codes::kNibbles, Min::kStored>;
+using TQ5_0 = TileFormat<22, Codes::kFiveBits, Min::kMinus16d>;
+using TQ5_1 = TileFormat<24, Codes::kFiveBits, Min::kStored>;
+using TQ8_0 = TileFormat<34, Codes::kInt8, Min::kNone>;
 
 template <typename Fn>
 bool with_tile_format(int64_t block_bytes, const Fn& fn) {
   switch (block_bytes) {
     case TQ4_0::kBytes: fn(TQ4_0{}); return true;
     case TQ4_1::kBytes: fn(TQ4_1{}); return true;
+    case TQ5_0::kBytes: fn(TQ5_0{}); return true;
+    case TQ5_1::kBytes: fn(TQ5_1{}); return true;
     case TQ8_0::kBytes: fn(TQ8_0{}); return true;
     default: return false;
   }
@@ -153,7 +162,7 @@ torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
                   tiles.is_contiguous(),
               "tiled_gemm_int8: contiguous uint8 tiles [out / 16, blocks, 16, bytes]");
   TORCH_CHECK(tiled_format(tiles.size(3)), "tiled_gemm_int8: ", tiles.size(3),
-              "-byte blocks are none of Q4_0, Q4_1, Q8_0");
+              "-byte blocks are none of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0");
   x = x.contiguous();
   const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = tiles.size(0) * kTile;
   TORCH_CHECK(tiles.size(1) * kGroup == k_dim, "tiled_gemm_int8: ", tiles.size(1),
@@ -169,7 +178,7 @@ torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
 
 void register_int8_tiles(pybind11::module& m) {
   m.def("tiled_gemm_int8", &tiled_gemm_int8,
-        "x W^T (+ b) on int8 activations, W as Q4_0 / Q4_1 / Q8_0 blocks in tiles of 16 features",
+        "x W^T (+ b) on int8 activations, W as Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks in tiles of 16 features",
         pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("bias"),
         pybind11::arg("allow_vnni") = true);
   m.def("tiles_use_vnni", [] { return kHasVnni; }, "whether the tiles' sums use AVX512-VNNI here");

@@ -479,6 +479,16 @@ inline vtile tile_sign8(vtile x, vtile w) {
   return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
 inline vf tile_float(vtile v) { return _mm512_cvtepi32_ps(v); }
+// byte c of each lane in all four of its bytes
+inline vtile tile_spread_byte(vtile v, int c) {
+  const __m512i first = _mm512_broadcast_i32x4(_mm_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0));
+  return _mm512_shuffle_epi8(v, _mm512_add_epi8(first, _mm512_set1_epi8(static_cast<char>(c))));
+}
+// codes (below 16) plus 16 in each byte whose bit of `pattern` (per lane) is set in spread
+inline vtile tile_fifth_bit(vtile codes, vtile spread, uint32_t pattern) {
+  const __mmask64 set = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(static_cast<int>(pattern)));
+  return _mm512_mask_add_epi8(codes, set, codes, _mm512_set1_epi8(0x10));
+}
 inline vf abs(vf v) { return _mm512_abs_ps(v); }
 inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
 // v rounded to nearest (ties to even, as std::nearbyint) into kLanes int8 at out, v
@@ -511,6 +521,16 @@ inline vtile tile_quads(vtile pairs) { return _mm256_madd_epi16(pairs, _mm256_se
 inline vtile tile_abs8(vtile v) { return _mm256_abs_epi8(v); }
 inline vtile tile_sign8(vtile x, vtile w) { return _mm256_sign_epi8(x, w); }
 inline vf tile_float(vtile v) { return _mm256_cvtepi32_ps(v); }
+inline vtile tile_spread_byte(vtile v, int c) {
+  const __m256i first = _mm256_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C,
+                                         0x08080808, 0x04040404, 0);
+  return _mm256_shuffle_epi8(v, _mm256_add_epi8(first, _mm256_set1_epi8(static_cast<char>(c))));
+}
+inline vtile tile_fifth_bit(vtile codes, vtile spread, uint32_t pattern) {
+  const __m256i bit = _mm256_set1_epi32(static_cast<int>(pattern));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
 inline vf abs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
 inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline int round_to_int8(vf v, int8_t* out) {
