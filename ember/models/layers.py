@@ -73,7 +73,8 @@ class Linear(nn.Module):
       loader's BLOCK_FORMATS (`load_blocks`): ember's block GEMM, which decodes those
       blocks in registers to exactly the fp32 W (bit-identical results, 4-7x fewer bytes
       streamed per step); with int8 decode activations (`int8_max_rows`), its int8 GEMM,
-      on Q4_0 / Q4_1 / Q8_0 blocks regrouped into tiles of 16 features (`tile_blocks`);
+      on Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks regrouped into tiles of 16 features
+      (`tile_blocks`);
     - up to SMALL_GEMM_MAX_ROWS (decode): ember's small GEMM (the CPU's vector build of
       it), which streams W once (measured: 18% faster than oneDNN at 4 rows, 8% faster
       than MKL at 1);
@@ -108,7 +109,7 @@ class Linear(nn.Module):
         self.block_gemm = None  # ember's kernel over `blocks`, when it applies
         # up to this many rows multiply `blocks` with int8 activations (`int8_gemm`); set
         # before pack_for_cpu, which keeps it only where the blocks are kept, and tiles
-        # Q4_0 / Q4_1 / Q8_0 blocks for it (tile_blocks: [out / 16, blocks, 16, bytes])
+        # 32-weight blocks for it (tile_blocks: [out / 16, blocks, 16, bytes])
         self.int8_max_rows = 0
         self.int8_gemm = None
         self._block_parts: dict[int, torch.Tensor] = {}
@@ -310,14 +311,9 @@ def int8_rows(parts: list[torch.Tensor]) -> int:
     """The most rows that multiply blocks in these formats faster on int8 activations
     (the fewest of the parts'; tiles take every row count, BLOCK_GEMM_MAX_ROWS; 1 for
     formats not in INT8_ROWS)."""
-    return (
-        min(
-            (BLOCK_GEMM_MAX_ROWS if part.dim() == 4 else INT8_ROWS.get(part.shape[2], 1))
-            for part in parts
-        )
-        if parts
-        else 1
-    )
+    if not parts:
+        return 1
+    return min(BLOCK_GEMM_MAX_ROWS if p.dim() == 4 else INT8_ROWS.get(p.shape[2], 1) for p in parts)
 
 
 def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int:

@@ -89,7 +89,7 @@ constexpr int kPass = 8;
 #include "int8_tiles.inc"
 #undef TILE_ROWS
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)  // GCC's target pragma
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 #define TILES_VNNI
@@ -98,7 +98,7 @@ constexpr int kPass = 8;
 #undef TILE_ROWS
 #undef TILES_VNNI
 #pragma GCC pop_options
-const bool kHasVnni = __builtin_cpu_supports("avx512vnni");
+const bool kHasVnni = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));
 #else
 constexpr bool kHasVnni = false;
 template <typename F, int M>
