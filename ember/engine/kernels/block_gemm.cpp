@@ -660,7 +660,7 @@ void register_block_gemm(pybind11::module& m) {
   m.def("block_gemm", &block_gemm,
         "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks");
   m.def("block_gemm_int8", &block_gemm_int8,
-        "block_gemm with x quantized to int8 per 32 values (per 256 against K-quants) and integer products");
+        "block_gemm with x quantized to int8 per 32 values and integer products (4-D blocks: tiles, int8_tiles.cpp)");
   m.def("dequantize_blocks", &dequantize_blocks,
         "the float32 weights [rows, in_features] that GGUF blocks [rows, blocks, bytes] decode to");
   m.def("block_gemm_supported", &block_gemm_supported,
