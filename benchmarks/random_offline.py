@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import time
+import sys
+from pathlib import Path
 
 from ember.llm import LLM
 from ember.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trace_offline import replay  # noqa: E402  (the same step loop and shape record)
 
 
 def main() -> None:
@@ -25,28 +29,8 @@ def main() -> None:
     engine, rng = llm.engine, random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(286)] for _ in range(16)]
     llm.generate([list(range(100, 400))], SamplingParams(max_tokens=4))  # warm-up
-    scheduler, shapes = engine.core.scheduler, []
-    schedule = scheduler.schedule
-
-    def recording_schedule(*a):
-        out = schedule(*a)
-        shapes.append(None if out.empty else out.shape())
-        return out
-
-    scheduler.schedule = recording_schedule
-    pending, running, steps = list(range(len(prompts))), set(), []
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
-    start = time.perf_counter()
-    while pending or running:
-        while pending and len(running) < 4:
-            i = pending.pop(0)
-            engine.add_request(f"r{i}", engine.process_prompt(prompts[i]), params)
-            running.add(f"r{i}")
-        t = time.perf_counter()
-        outputs = engine.step()
-        steps.append(time.perf_counter() - t)
-        running -= {o.request_id for o in outputs if o.finished}
-    wall = time.perf_counter() - start
+    wall, steps, shapes = replay(engine, prompts, params, concurrency=4)
     print(f"{wall:.2f} s, {len(steps)} steps, {16 * 64 / wall:.1f} output tok/s")
     kinds = collections.defaultdict(list)
     for seconds, shape in zip(steps, shapes, strict=False):

@@ -75,6 +75,34 @@ def time_kernels(engine) -> TimedKernels:
     return timed
 
 
+def replay(engine, prompts, params, concurrency: int):
+    """Runs `prompts` through the engine `concurrency` at a time, step by step, as a
+    serving client keeping that many requests open would: (wall seconds, each step's
+    seconds, each step's shape (None for an empty step))."""
+    scheduler, shapes, step_s = engine.core.scheduler, [], []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args):
+        out = schedule(*args)
+        shapes.append(None if out.empty else out.shape())
+        return out
+
+    scheduler.schedule = recording_schedule
+    pending, running = list(range(len(prompts))), set()
+    start = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < concurrency:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", engine.process_prompt(list(prompts[i])), params)
+            running.add(f"r{i}")
+        t = time.perf_counter()
+        outputs = engine.step()
+        step_s.append(time.perf_counter() - t)
+        running -= {o.request_id for o in outputs if o.finished}
+    scheduler.schedule = schedule
+    return time.perf_counter() - start, step_s, shapes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--precision", default="bf16", choices=["ieee", "bf16", "auto"])
@@ -118,28 +146,8 @@ def main() -> None:
         while engine.core.has_idle_work():
             engine.core.idle_work()
     timed = time_kernels(engine) if args.kernel_times else None
-    scheduler, shapes, step_s = engine.core.scheduler, [], []
-    schedule = scheduler.schedule
-
-    def recording_schedule(*args):
-        out = schedule(*args)
-        shapes.append(None if out.empty else out.shape())
-        return out
-
-    scheduler.schedule = recording_schedule
-    pending, running = list(range(len(prompts))), set()
-    start = time.perf_counter()
-    while pending or running:
-        while pending and len(running) < 8:
-            i = pending.pop(0)
-            params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
-            engine.add_request(f"r{i}", engine.process_prompt(list(prompts[i])), params)
-            running.add(f"r{i}")
-        t = time.perf_counter()
-        outputs = engine.step()
-        step_s.append(time.perf_counter() - t)
-        running -= {o.request_id for o in outputs if o.finished}
-    wall = time.perf_counter() - start
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    wall, step_s, shapes = replay(engine, prompts, params, concurrency=8)
     print(
         f"{args.precision}, --max-step-ms {args.max_step_ms:g}: {wall:.2f} s, {len(step_s)} "
         f"steps, {sum(map(len, prompts))} prompt tokens, {12 * len(prompts)} output tokens"
