@@ -2,7 +2,7 @@
 random tokens, 64 new tokens each, 4 at a time (what `benchmarks/peer_ab.sh`'s random
 workload sends), in bf16. Prints the wall time and the steps' time grouped by shape.
 
-    python benchmarks/random_offline.py [--max-step-ms 100]
+    python benchmarks/random_offline.py [--max-step-ms 100] [--kv-cache-dtype auto]
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from trace_offline import replay  # noqa: E402  (the same step loop and shape re
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-step-ms", type=float, default=100.0)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = p.parse_args()
     llm = LLM(None, matmul_precision="bf16", kv_cache_memory=1 << 30, max_model_len=4096,
-              max_step_ms=args.max_step_ms)  # fmt: skip
+              max_step_ms=args.max_step_ms, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     engine, rng = llm.engine, random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(286)] for _ in range(16)]
     llm.generate([list(range(100, 400))], SamplingParams(max_tokens=4))  # warm-up

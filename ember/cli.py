@@ -21,7 +21,7 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that runs a model."""
-    from ember.config import SPECULATIVE_METHODS, EngineConfig
+    from ember.config import KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
 
     d = EngineConfig()
     add_model_arg(parser)
@@ -262,6 +262,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "default: int8 unless --matmul-precision is ieee, on x86)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's element type: float32, bfloat16 (half the bytes: twice the "
+        "tokens per GB, half the bytes decode attention reads) or auto (the default: bfloat16 "
+        "where prefill runs in bf16, see --matmul-precision; else float32 on CPU, the "
+        "model's dtype on CUDA)",
+    )
+    parser.add_argument(
         "--no-gguf-blocks",
         action="store_true",
         help="decode from the fp32 weights even when a GGUF file's Q4_0 / Q4_1 / Q5_0 / "
@@ -377,6 +386,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         matmul_precision=args.matmul_precision,
         gguf_blocks=not args.no_gguf_blocks,
         decode_activations=args.decode_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
     )
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle3", "mtp")
 # methods whose speculative_model is the drafter (eagle3: a head over the model's states)
 SPECULATIVE_MODEL_METHODS = ("draft", "eagle3")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -361,6 +362,12 @@ class EngineConfig:
     # llama.cpp does, and integer products) or "auto" (int8 unless matmul_precision is
     # ieee, on the x86 builds)
     decode_activations: str = "auto"
+    # the KV cache's element type: "float32", "bfloat16" (half the bytes a token keeps:
+    # twice the tokens per GB, half the bytes attention reads) or "auto": bfloat16 for keys
+    # and values on a CPU whose prefill runs in bf16 (matmul_precision bf16, or auto on a
+    # CPU with AMX or AVX-512 BF16), whose prefill attention rounds them to bf16 anyway;
+    # else the activations' dtype (float32 on CPU, the model's on CUDA)
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # disaggregation (the KV connector); the cluster secret comes from $EMBER_CLUSTER_SECRET
     kv_role: str = "mixed"  # mixed | prefill | decode
@@ -499,6 +506,10 @@ class EngineConfig:
         if self.matmul_precision not in envs.MATMUL_PRECISIONS:
             raise ValueError(
                 f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
             )
         if self.decode_activations not in ("auto", "fp32", "int8"):
             raise ValueError(

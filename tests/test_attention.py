@@ -12,7 +12,7 @@ from ember.engine.attention import (
     TorchSDPABackend,
     get_attention_backend,
 )
-from ember.engine.kernels import supported_isas
+from ember.engine.kernels import cpu_kernels, supported_isas
 
 BS, HKV, GROUP, D = 16, 2, 3, 32
 H = HKV * GROUP
@@ -77,7 +77,11 @@ def run_step(backend, kv_cache, seqs, num_done):
      (64, 7), (128, 2), (16, 8)],
 )  # fmt: skip
 @pytest.mark.parametrize("name", ["sdpa", *(f"auto-{isa}" for isa in supported_isas())])
-def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_dim, group, cpu_isa):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_over_scattered_blocks_matches_causal_attention(
+    name, head_dim, group, cache_dtype, cpu_isa
+):
+    """(A bf16 cache: attention over the keys and values rounded to bf16.)"""
     if name.startswith("auto-"):
         name, isa = name.split("-")
         cpu_isa(isa)
@@ -85,7 +89,7 @@ def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_di
     if name == "auto":
         assert backend.kernels.isa == isa
     torch.manual_seed(0)
-    kv_cache = torch.zeros(2, 64, BS, HKV, head_dim)
+    kv_cache = torch.zeros(2, 64, BS, HKV, head_dim, dtype=cache_dtype)
     lengths, done = [1, 17, 40, 90, 33], [0, 16, 39, 50, 0]  # decodes, a chunk, fresh prefills
     free = torch.randperm(64)
     seqs, used = [], 0
@@ -99,11 +103,61 @@ def test_mixed_step_over_scattered_blocks_matches_causal_attention(name, head_di
     for (_, k, v, table), n0 in zip(seqs, done, strict=True):
         pos = torch.arange(n0)
         flat = table[pos // BS] * BS + pos % BS
-        kv_cache[0].view(-1, HKV, head_dim)[flat] = k[:n0]
-        kv_cache[1].view(-1, HKV, head_dim)[flat] = v[:n0]
+        kv_cache[0].view(-1, HKV, head_dim)[flat] = k[:n0].to(cache_dtype)
+        kv_cache[1].view(-1, HKV, head_dim)[flat] = v[:n0].to(cache_dtype)
     outs = run_step(backend, kv_cache, seqs, done)
     for i, (q, k, v, _) in enumerate(seqs):
+        k, v = (x.to(cache_dtype).float() for x in (k, v))
         torch.testing.assert_close(outs[i], reference(q, k, v)[done[i] :], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+def test_a_bf16_cache_reads_as_a_float32_cache_of_the_same_values(isa):
+    """Every kernel that reads the cache widens a bf16 one exactly: its results are those
+    over a float32 cache holding the same values, bit for bit, on every build (decodes on
+    each head path, prefill chunks in float32 and in bf16 products); write_kv rounds to
+    bf16 as torch does (nearest even, a NaN stays a NaN)."""
+    kernels = cpu_kernels(isa)
+    if kernels is None:
+        pytest.skip(f"the {isa} kernels could not be built here")
+    torch.manual_seed(0)
+    num_blocks, group = 32, 3
+    for head_dim in (32, 64, 40):  # 40: no vector path for the head on any build
+        shape = (num_blocks, BS, HKV, head_dim)
+        low = [torch.randn(shape).bfloat16() for _ in range(2)]
+        wide = [x.float() for x in low]
+        q = torch.randn(3, HKV * group, head_dim)
+        tables = torch.randperm(num_blocks)[:30].view(3, 10)
+        lens = torch.tensor([5, 77, 160])
+        assert torch.equal(
+            kernels.paged_decode_attention(q, *low, tables, lens, 0.125),
+            kernels.paged_decode_attention(q, *wide, tables, lens, 0.125),
+        )
+        if head_dim not in kernels.prefill_head_dims:
+            continue
+        chunk = torch.randn(20, HKV * group, head_dim)
+        assert torch.equal(
+            kernels.paged_prefill_attention(chunk, *low, tables[2], 150, 0.125),
+            kernels.paged_prefill_attention(chunk, *wide, tables[2], 150, 0.125),
+        )
+        for dot in [False, *([True] if kernels.bf16_dot_supported() else [])]:
+            args = (tables[2], 150, 0.125, dot)
+            assert torch.equal(
+                kernels.paged_prefill_attention_bf16(chunk.bfloat16(), *low, *args),
+                kernels.paged_prefill_attention_bf16(chunk.bfloat16(), *wide, *args),
+            )
+    k, v = torch.randn(7, HKV, 40) * 100, torch.randn(7, HKV, 40)
+    k[0, 0, :4] = torch.tensor([float("nan"), float("inf"), 1 + 2**-8, 1 + 3 * 2**-8])  # ties
+    k[0, 1, :2] = torch.tensor([1e-40, -(1 + 2**-8)])  # a subnormal, a negative tie
+    slots = torch.randperm(num_blocks * BS)[:7]
+    caches = [torch.zeros(num_blocks, BS, HKV, 40, dtype=torch.bfloat16) for _ in range(2)]
+    kernels.write_kv(k, v, *caches, slots)
+    for cache, x in zip(caches, (k, v), strict=True):
+        stored, nan = cache.view(-1, HKV, 40)[slots], x.isnan()
+        assert torch.equal(stored.isnan(), nan)  # (torch keeps a NaN's payload, ember not)
+        assert torch.equal(stored[~nan].view(torch.int16), x[~nan].bfloat16().view(torch.int16))
+    with pytest.raises(RuntimeError, match="caches in float32 or bfloat16, alike"):
+        kernels.write_kv(k, v, caches[0], torch.zeros(num_blocks, BS, HKV, 40), slots)
 
 
 def test_auto_picks_the_cpu_kernel_for_float32_cpu():

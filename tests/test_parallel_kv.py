@@ -266,3 +266,17 @@ def test_worker_kv_moves_each_piece_once_and_fills_its_replicas() -> None:
     assert kv.check_sender(_pieces(2, [(0, 1)]), kv.head_block_bytes * 2) is None
     with pytest.raises(ValueError, match="layout differs"):
         kv.check_sender(_pieces(2, [(0, 1)]), kv.head_block_bytes * 2 + 4)
+
+
+def test_a_float32_senders_blocks_never_land_in_a_bf16_cache() -> None:
+    """kv_cache_dtype: a decode worker's bf16 cache refuses a prefill worker's float32
+    blocks (twice the bytes per head), and the other way round."""
+    pieces = _pieces(2, [(0, 2)])
+    half = WorkerKV.of([torch.zeros(2, 4, 16, 2, 8, dtype=torch.bfloat16)] * 2, pieces)
+    full = WorkerKV.of([torch.zeros(2, 4, 16, 2, 8)] * 2, pieces)
+    assert full.head_block_bytes == 2 * half.head_block_bytes
+    heads = 4  # 2 layers of 2 heads
+    for ours, theirs in [(half, full), (full, half)]:
+        assert ours.check_sender(pieces, heads * ours.head_block_bytes) is None
+        with pytest.raises(ValueError, match="layout differs"):
+            ours.check_sender(pieces, heads * theirs.head_block_bytes)

@@ -86,13 +86,12 @@ class TorchSDPABackend(AttentionBackend):
     def _forward(self, q, k, v, kv_cache, meta, scale):
         self._write(k, v, kv_cache, meta.slot_mapping)
         if not meta.prefills:  # decodes only: the common step
-            return self._decode(q.to(kv_cache.dtype), kv_cache, meta, scale).to(q.dtype)
+            return self._decode(q, kv_cache, meta, scale).to(q.dtype)
         if not meta.num_decodes and len(meta.prefills) == 1:  # one chunk: no copy into `out`
             return self._prefill(q, k, v, kv_cache, meta.prefills[0], scale)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            decodes = q[: meta.num_decodes].to(kv_cache.dtype)
-            out[: meta.num_decodes] = self._decode(decodes, kv_cache, meta, scale)
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], kv_cache, meta, scale)
         for seq in meta.prefills:
             chunk = slice(seq.query_start, seq.query_start + seq.query_len)
             out[chunk] = self._prefill(q[chunk], k[chunk], v[chunk], kv_cache, seq, scale)
@@ -101,15 +100,23 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def _write(k, v, kv_cache, slot_mapping):
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, k.to(kv_cache.dtype)
+        )
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, v.to(kv_cache.dtype)
+        )
 
     @staticmethod
     def _decode(q, kv_cache, meta, scale):
+        """Decode attention in the wider of q's and the cache's dtypes (a bf16 step's q over
+        a float32 cache, float32 q over a bf16 one: float32); the caller casts it back."""
+        dtype = torch.promote_types(q.dtype, kv_cache.dtype)
+        q = q.to(dtype)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[-2]
-        keys = gather_blocks(kv_cache[0], meta.decode_block_table)  # [B, Hkv, L, D]
-        values = gather_blocks(kv_cache[1], meta.decode_block_table)
+        keys = gather_blocks(kv_cache[0], meta.decode_block_table).to(dtype)  # [B, Hkv, L, D]
+        values = gather_blocks(kv_cache[1], meta.decode_block_table).to(dtype)
         grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             grouped_q, keys, values, attn_mask=meta.decode_mask, scale=scale
@@ -120,7 +127,9 @@ class TorchSDPABackend(AttentionBackend):
     def _prefill(q, k, v, kv_cache, seq: PrefillSeq, scale):
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
         if seq.context_len == seq.query_len:  # no earlier context: plain causal attention
-            keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
+            # (k, v as the cache keeps them, as the chunk's later tokens will read them)
+            keys, values = (x.to(kv_cache.dtype).transpose(0, 1) for x in (k, v))
+            mask = None
         else:
             table = seq.block_ids.unsqueeze(0)
             keys = gather_blocks(kv_cache[0], table)[0, :, : seq.context_len]
@@ -173,7 +182,8 @@ class CPUPagedBackend(TorchSDPABackend):
     (AVX512-BF16: 1.4-1.7x the fp32 kernel's speed, docs/benchmarks.md), and through
     torch's bf16 SDPA from AMX_SDPA_MIN_ROWS rows where `bf16_sdpa` (a CPU with AMX:
     oneDNN's attention on the tiles); head sizes the prefill kernels have no build for go
-    to torch's SDPA. CPU, float32 cache."""
+    to torch's SDPA. CPU; a float32 or bfloat16 cache (kv_cache_dtype), which the kernels
+    widen to float32 as they read it."""
 
     def __init__(self, kernels, bf16_sdpa: bool | None = None, bf16_dot: bool | None = None):
         from ember.models.layers import cpu_has_amx
@@ -203,7 +213,7 @@ class CPUPagedBackend(TorchSDPABackend):
 
     def _decode(self, q, kv_cache, meta, scale):
         return self.kernels.paged_decode_attention(
-            q.contiguous(),
+            q.float().contiguous(),  # float32 q over either cache dtype
             kv_cache[0],
             kv_cache[1],
             meta.decode_block_table,

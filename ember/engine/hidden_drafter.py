@@ -265,7 +265,7 @@ def mtp_proposer(target: ModelRunner, kv: KVCacheManager) -> HiddenStateProposer
         )
     head = MTPDraftHead(target.model)
     shape = target.kv_spec.shape(kv.num_blocks, target.block_size)
-    kv_caches, _ = kv_buffers.allocate(shape, 1, target.dtype, target.device, shm=False)
+    kv_caches, _ = kv_buffers.allocate(shape, 1, target.kv_dtype, target.device, shm=False)
     target.features = head.combine
     logger.info("MTP drafter: the model's multi-token-prediction layer")
     return HiddenStateProposer(head, kv, kv_caches, target.device, target.model_config.vocab_size)

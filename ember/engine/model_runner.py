@@ -115,6 +115,7 @@ class ModelRunner:
             if self.executor is not None:
                 self.executor.close()
             raise
+        self.kv_dtype = self._kv_dtype()
         # the layers whose KV this rank keeps (a pipeline stage's)
         stage_layers = getattr(getattr(self.model, "model", None), "stage_layers", None)
         self.kv_layers = list(stage_layers or range(model_config.num_hidden_layers))
@@ -252,6 +253,18 @@ class ModelRunner:
         logger.info("matmul_precision auto: no AMX or AVX-512 BF16 here, prefill stays exact fp32")
         return False
 
+    def _kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type (EngineConfig.kv_cache_dtype): auto is bfloat16 for
+        a cache of keys and values on a CPU whose prefill runs in bf16, whose prefill
+        attention already rounds them to bf16 (ember's kernels widen a bf16 cache as they
+        read it), else the activations' dtype."""
+        choice = self.config.kv_cache_dtype
+        if choice != "auto":
+            return getattr(torch, choice)
+        if self.device.type == "cpu" and self.bf16_prefill and self.kv_spec.num_parts == 2:
+            return torch.bfloat16
+        return self.dtype
+
     def _int8_activations(self) -> bool:
         """Whether decode steps on GGUF blocks round their activations to int8
         (decode_activations int8, or auto where matmul_precision is not ieee and the
@@ -281,7 +294,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         """A KV block's bytes on this rank, or on the rank with the most (rank 0 of a
         tensor-parallel model: every rank has as many blocks)."""
-        per_token = self.kv_spec.token_bytes(self.dtype)
+        per_token = self.kv_spec.token_bytes(self.kv_dtype)
         own = self.num_kv_layers * self.block_size * per_token
         ranks = self.executor.rank_block_bytes if self.executor is not None else []
         return max([own, *ranks])
@@ -324,7 +337,7 @@ class ModelRunner:
             ranks = [pieces] + [[Piece(*piece) for piece in rank] for rank in others]
             every_piece = [piece for rank in ranks for piece in rank]
             shapes = [(*shape[:3], p.head_stop - p.head_start, shape[4]) for p in every_piece]
-            tensors, path, offsets = kv_buffers.allocate_shared(shapes, self.dtype)
+            tensors, path, offsets = kv_buffers.allocate_shared(shapes, self.kv_dtype)
             if self.executor is not None:  # each rank's offsets, in rank order after ours
                 ends = list(itertools.accumulate(len(rank) for rank in ranks))
                 rank_offsets = [offsets[a:b] for a, b in itertools.pairwise(ends)]
@@ -335,20 +348,21 @@ class ModelRunner:
             if self.executor is not None:
                 self.executor.send(AllocateKV(num_blocks))
             self.kv_caches, self.kv_shm_path = kv_buffers.allocate(
-                shape, self.num_kv_layers, self.dtype, self.device, shm=False
+                shape, self.num_kv_layers, self.kv_dtype, self.device, shm=False
             )
             self.worker_kv = None if self.executor else WorkerKV.of(self.kv_caches, pieces)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GB)",
+            "KV cache: %d blocks of %d tokens (%.2f GB, %s)",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_block_bytes / 1e9,
+            str(self.kv_dtype).removeprefix("torch."),
         )
 
     def map_kv_cache(self, num_blocks: int, path: str, offsets: list[int]) -> None:
         """A rank > 0's KV tensors, in the file rank 0 allocated for every rank's."""
         shape = self.kv_spec.shape(num_blocks, self.block_size)
-        self.kv_caches = kv_buffers.map_shared(path, [shape] * len(offsets), offsets, self.dtype)
+        self.kv_caches = kv_buffers.map_shared(path, [shape] * len(offsets), offsets, self.kv_dtype)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []

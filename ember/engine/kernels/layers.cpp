@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "cache_types.h"
 #include "simd.h"
 
 namespace {
@@ -121,10 +122,21 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }
 
 // Stores k and v [T, Hkv, D] (token rows may be strided) at flat slots of the caches
-// [num_blocks, block_size, Hkv, D].
+// [num_blocks, block_size, Hkv, D]: float32 as they are, or rounded to bfloat16 (nearest
+// even, as torch's .to(torch.bfloat16) rounds).
+namespace {
+inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + simd::kLanes <= n; i += simd::kLanes) simd::store(dst + i, simd::load(src + i));
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+}  // namespace
+
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slots) {
-  TORCH_CHECK(k.dtype() == torch::kFloat32 && key_cache.is_contiguous(), "write_kv: float32");
+  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32, "write_kv: float32 k, v");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "write_kv: contiguous caches");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "write_kv: contiguous k heads");
   TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == v.size(2), "write_kv: contiguous v heads");
   const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
@@ -132,13 +144,16 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
   const int64_t* sp = slot.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* kc = key_cache.data_ptr<float>();
-  float* vc = value_cache.data_ptr<float>();
   const int64_t ks = k.stride(0), vs = v.stride(0);
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::copy(kp + t * ks, kp + t * ks + width, kc + sp[t] * width);
-    std::copy(vp + t * vs, vp + t * vs + width, vc + sp[t] * width);
-  }
+  with_cache_type(key_cache, value_cache, "write_kv", [&](auto element) {
+    using T = decltype(element);
+    T* kc = static_cast<T*>(key_cache.data_ptr());
+    T* vc = static_cast<T*>(value_cache.data_ptr());
+    for (int64_t t = 0; t < tokens; ++t) {
+      store_row(kp + t * ks, kc + sp[t] * width, width);
+      store_row(vp + t * vs, vc + sp[t] * width, width);
+    }
+  });
 }
 
 void register_layer_kernels(pybind11::module& m) {

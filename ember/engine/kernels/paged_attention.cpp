@@ -5,7 +5,9 @@
 // query heads that share a KV head are handled together so each key is loaded once.
 //
 // q:            [num_seqs, num_heads, head_dim]                  float32, contiguous
-// key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]  float32, contiguous
+// key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]  float32 or bfloat16,
+//               contiguous (a bf16 cache is widened as it is read: the sums are those of
+//               a float32 cache holding the same values, bit for bit)
 // value_cache:  same as key_cache
 // block_tables: [num_seqs, max_blocks] int64
 // context_lens: [num_seqs] int64 (tokens to attend to, the query's own included)
@@ -18,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "cache_types.h"
 #include "simd.h"
 
 namespace {
@@ -32,6 +35,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// A cache row as floats: a float32 cache's own, a bf16 cache's widened into `scratch` (the
+// general path below then runs the same float code on both)
+inline const float* as_floats(const float* row, int64_t, float*) { return row; }
+inline const float* as_floats(const c10::BFloat16* row, int64_t n, float* scratch) {
+  for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(row[i]);
+  return scratch;
 }
 
 // row[0:n] = softmax(row[0:n]) in place. exp is a vectorized one (SLEEF's 1-ulp expf,
@@ -75,7 +86,7 @@ void weighted_sum(const float* p, int64_t len, const ValueAt& value_at, float* o
   for (int c = 0; c < C; ++c) acc[c] = simd::zero();
   for (int64_t t = 0; t < len; ++t) {
     const simd::vf weight = simd::set1(p[t]);
-    const float* value = value_at(t) + offset;
+    const auto* value = value_at(t) + offset;
     for (int c = 0; c < C; ++c)
       acc[c] = simd::fma(weight, simd::load(value + simd::kLanes * c), acc[c]);
   }
@@ -102,23 +113,24 @@ bool weighted_sum_fast(const float* p, int64_t len, const ValueAt& value_at, flo
   return false;
 }
 
-// Asks for the cache lines of floats [p, p + count) ahead of use
-inline void prefetch(const float* p, int64_t count) {
-  for (int64_t i = 0; i < count; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
+// Asks for the cache lines of elements [p, p + count) ahead of use
+template <typename T>
+inline void prefetch(const T* p, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) __builtin_prefetch(p + i);
 }
 
 // Calls visit(t, vectors) for each token t < len of one KV head's context (keys or values,
 // `base` pointing at the head in block 0), its NV vectors loaded, walking the blocks of
 // `table` in order (no division per token) and fetching the next block's lines ahead.
-template <int NV, typename Visit>
-inline void walk_context(const float* base, const int64_t* table, int64_t len,
+template <int NV, typename T, typename Visit>
+inline void walk_context(const T* base, const int64_t* table, int64_t len,
                          int64_t block_size, int64_t token_stride, const Visit& visit) {
   constexpr int64_t head_dim = NV * simd::kLanes;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-    const float* token = base + table[b] * block_stride;
-    const float* ahead = b + 1 < num_blocks ? base + table[b + 1] * block_stride : nullptr;
+    const T* token = base + table[b] * block_stride;
+    const T* ahead = b + 1 < num_blocks ? base + table[b + 1] * block_stride : nullptr;
     const int64_t n = std::min(block_size, len - start);
     for (int64_t i = 0; i < n; ++i, token += token_stride) {
       if (ahead != nullptr) prefetch(ahead + i * token_stride, head_dim);
@@ -134,8 +146,8 @@ inline void walk_context(const float* base, const int64_t* table, int64_t len,
 // once for all of them, and the context is walked block by block.
 // The arithmetic is dot_lanes' and weighted_sum's, in the same order: results are
 // bit-identical to the general path below.
-template <int NV, int G>
-void attend_kv_head(const float* q, const float* keys, const float* values, const int64_t* table,
+template <int NV, int G, typename T>
+void attend_kv_head(const float* q, const T* keys, const T* values, const int64_t* table,
                     int64_t len, int64_t block_size, int64_t token_stride, float scale,
                     float* scores, float* out) {
   using simd::kLanes;
@@ -170,50 +182,69 @@ void attend_kv_head(const float* q, const float* keys, const float* values, cons
     for (int c = 0; c < NV; ++c) simd::store(out + g * head_dim + c * kLanes, acc[g][c]);
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                          int64_t, int64_t, float, float*, float*);
+template <typename T>
+using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t,
+                          int64_t, float, float*, float*);
 
 // The fast path for this head shape, or null: heads of 2, 4 or 8 vectors, up to 8 query
 // heads per KV head, as long as the sums fit the vector registers (G * NV <= 24)
-template <int NV>
-AttendFn attend_for_group(int64_t group) {
+template <int NV, typename T>
+AttendFn<T> attend_for_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_kv_head<NV, 1>;
-    case 2: return &attend_kv_head<NV, 2>;
-    case 3: return NV * 3 <= 24 ? &attend_kv_head<NV, 3> : nullptr;
-    case 4: return NV * 4 <= 24 ? &attend_kv_head<NV, 4> : nullptr;
-    case 5: return NV * 5 <= 24 ? &attend_kv_head<NV, 5> : nullptr;
-    case 6: return NV * 6 <= 24 ? &attend_kv_head<NV, 6> : nullptr;
-    case 8: return NV * 8 <= 24 ? &attend_kv_head<NV, 8> : nullptr;
+    case 1: return &attend_kv_head<NV, 1, T>;
+    case 2: return &attend_kv_head<NV, 2, T>;
+    case 3: return NV * 3 <= 24 ? &attend_kv_head<NV, 3, T> : nullptr;
+    case 4: return NV * 4 <= 24 ? &attend_kv_head<NV, 4, T> : nullptr;
+    case 5: return NV * 5 <= 24 ? &attend_kv_head<NV, 5, T> : nullptr;
+    case 6: return NV * 6 <= 24 ? &attend_kv_head<NV, 6, T> : nullptr;
+    case 8: return NV * 8 <= 24 ? &attend_kv_head<NV, 8, T> : nullptr;
     default: return nullptr;
   }
 }
 
-AttendFn attend_for(int64_t head_dim, int64_t group) {
-  if (head_dim == 2 * simd::kLanes) return attend_for_group<2>(group);
-  if (head_dim == 4 * simd::kLanes) return attend_for_group<4>(group);
-  if (head_dim == 8 * simd::kLanes) return attend_for_group<8>(group);
+template <typename T>
+AttendFn<T> attend_for(int64_t head_dim, int64_t group) {
+  if (head_dim == 2 * simd::kLanes) return attend_for_group<2, T>(group);
+  if (head_dim == 4 * simd::kLanes) return attend_for_group<4, T>(group);
+  if (head_dim == 8 * simd::kLanes) return attend_for_group<8, T>(group);
   return nullptr;
 }
+
+template <typename T>
+void decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
+                      const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                      const torch::Tensor& context_lens, double scale, torch::Tensor& out);
 
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && key_cache.dtype() == torch::kFloat32,
-              "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode_attention: float32 q");
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_decode_attention: contiguous tensors only");
+  auto out = torch::zeros_like(q);
+  with_cache_type(key_cache, value_cache, "paged_decode_attention", [&](auto element) {
+    decode_attention<decltype(element)>(q, key_cache, value_cache, block_tables, context_lens,
+                                        scale, out);
+  });
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
+                      const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                      const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = context_lens.to(torch::kInt64).contiguous();
-  auto out = torch::zeros_like(q);
   const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
+  const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
+  const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
@@ -224,10 +255,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
     return dot(a, b, head_dim);
   };
 
-  const AttendFn attend = attend_for(head_dim, group);
+  const AttendFn<T> attend = attend_for<T>(head_dim, group);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, scratch(head_dim);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t seq = work / num_kv_heads, kv_head = work % num_kv_heads;
       const int64_t len = len_ptr[seq];
@@ -242,8 +273,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
       }
       for (int64_t t = 0; t < len; ++t) {  // scores = q . k, block by block
         const int64_t block = table_ptr[seq * max_blocks + t / block_size];
-        const float* key = k_ptr + (block * block_size + t % block_size) * token_stride +
-                           kv_head * head_dim;
+        const float* key = as_floats(k_ptr + (block * block_size + t % block_size) * token_stride +
+                                         kv_head * head_dim, head_dim, scratch.data());
         for (int64_t g = 0; g < group; ++g)
           scores[g * len + t] = score(q_seq + g * head_dim, key) * fscale;
       }
@@ -260,15 +291,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
       if (done) continue;
       for (int64_t t = 0; t < len; ++t) {  // out = p . v
         const int64_t block = table_ptr[seq * max_blocks + t / block_size];
-        const float* value = v_ptr + (block * block_size + t % block_size) * token_stride +
-                             kv_head * head_dim;
+        const float* value = as_floats(v_ptr + (block * block_size + t % block_size) * token_stride +
+                                           kv_head * head_dim, head_dim, scratch.data());
         for (int64_t g = 0; g < group; ++g)
           axpy(scores[g * len + t], value, out_seq + g * head_dim, head_dim);
       }
     }
   });
-  return out;
 }
+
+}  // namespace
 
 void register_layer_kernels(pybind11::module& m);  // layers.cpp
 void register_decode_layer(pybind11::module& m);   // decode_layer.cpp
@@ -280,7 +312,7 @@ void register_prefill_attention(pybind11::module& m);  // prefill_attention.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = simd::kIsa;
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (CPU, float32)");
+        "decode attention over a paged KV cache (CPU, float32 q, a float32 or bfloat16 cache)");
   register_layer_kernels(m);
   register_decode_layer(m);
   register_small_gemm(m);

@@ -21,7 +21,8 @@
 // build runs and the tests hold the former to). Scores, softmax and sums stay float32.
 //
 // q:            [T, num_heads, head_dim]                          float32, contiguous
-// key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]  float32, contiguous
+// key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]  float32 or bfloat16,
+//               contiguous (cache_types.h)
 // value_cache:  same as key_cache
 // block_table:  [>= ceil(context_len / block_size)] int64, the sequence's blocks
 // context_len:  tokens of context after this chunk; query i sits at context_len - T + i
@@ -35,6 +36,7 @@
 #include <limits>
 #include <vector>
 
+#include "cache_types.h"
 #include "simd.h"
 
 namespace {
@@ -53,7 +55,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // keys_t[tile][d][lane] = key (tile * kLanes + lane), dimension d, of one KV head; lanes
 // past the context are zero (their scores are masked)
-void transpose_keys(const float* keys, const int64_t* table, int64_t context_len,
+template <typename T>
+void transpose_keys(const T* keys, const int64_t* table, int64_t context_len,
                     int64_t block_size, int64_t token_stride, int64_t head_dim, int64_t tile,
                     float* out) {
   const int64_t first = tile * kLanes;
@@ -63,18 +66,17 @@ void transpose_keys(const float* keys, const int64_t* table, int64_t context_len
       for (int64_t d = 0; d < head_dim; ++d) out[d * kLanes + lane] = 0.f;
       continue;
     }
-    const float* key =
-        keys + (table[t / block_size] * block_size + t % block_size) * token_stride;
-    for (int64_t d = 0; d < head_dim; ++d) out[d * kLanes + lane] = key[d];
+    const T* key = keys + (table[t / block_size] * block_size + t % block_size) * token_stride;
+    for (int64_t d = 0; d < head_dim; ++d) out[d * kLanes + lane] = static_cast<float>(key[d]);
   }
 }
 
 // One tile of kRows query rows of one KV head, NV vectors per head. rows[r] points at
 // query row r (padding rows at a zero row: they are computed like the others and never
 // stored), pos[r] is its position, out[r] receives its normalized output.
-template <int NV>
+template <int NV, typename T>
 void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
-                 const float* keys_t, const float* values, const int64_t* table,
+                 const float* keys_t, const T* values, const int64_t* table,
                  int64_t block_size, int64_t token_stride, float scale, float* const* out) {
   constexpr int64_t head_dim = NV * kLanes;
   constexpr int R = kRows;
@@ -101,7 +103,7 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
     total[r] = 0.f;
     for (int64_t d = 0; d < head_dim; ++d) sums_out[r][d] = 0.f;
   }
-  const float* value_ptr[kLanes];
+  const T* value_ptr[kLanes];
   const simd::vf vscale = simd::set1(scale);
 
   for (int64_t tile = 0; tile < num_tiles; ++tile) {
@@ -172,13 +174,15 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
   }
 }
 
-using TileFn = void (*)(const float* const*, const int64_t*, int, const float*, const float*,
+template <typename T>
+using TileFn = void (*)(const float* const*, const int64_t*, int, const float*, const T*,
                         const int64_t*, int64_t, int64_t, float, float* const*);
 
-TileFn tile_for(int64_t head_dim) {
-  if (head_dim == 2 * kLanes) return &attend_tile<2>;
-  if (head_dim == 4 * kLanes) return &attend_tile<4>;
-  if (head_dim == 8 * kLanes) return &attend_tile<8>;
+template <typename T>
+TileFn<T> tile_for(int64_t head_dim) {
+  if (head_dim == 2 * kLanes) return &attend_tile<2, T>;
+  if (head_dim == 4 * kLanes) return &attend_tile<4, T>;
+  if (head_dim == 8 * kLanes) return &attend_tile<8, T>;
   return nullptr;
 }
 
@@ -232,7 +236,8 @@ bool bf16_dot_supported() {
 // keys_p[tile][d / 2][lane]: key (tile * kLanes + lane), dimensions d and d + 1, as a bf16
 // pair; values_p[tile][j][x]: tokens (tile * kLanes + 2j) and the next one, value entry x.
 // Past the context both are zero.
-void pair_keys_values(const float* keys, const float* values, const int64_t* table,
+template <typename T>
+void pair_keys_values(const T* keys, const T* values, const int64_t* table,
                       int64_t context_len, int64_t block_size, int64_t token_stride,
                       int64_t head_dim, int64_t tile, uint32_t* keys_p, uint32_t* values_p) {
   const int64_t first = tile * kLanes, half_dim = head_dim / 2;
@@ -245,15 +250,15 @@ void pair_keys_values(const float* keys, const float* values, const int64_t* tab
       for (int64_t d = 0; d < half_dim; ++d) keys_p[d * kLanes + lane] = 0;
       continue;
     }
-    const float* key = keys + slot(t);
+    const T* key = keys + slot(t);  // a bf16 cache's values round to themselves
     for (int64_t x = 0; x < head_dim; x += kLanes) simd::store(row + x, simd::load(key + x));
     for (int64_t d = 0; d < half_dim; ++d) keys_p[d * kLanes + lane] = row_pairs[d];
   }
   for (int j = 0; j < kLanes / 2; ++j) {
     const int64_t t = first + 2 * j;
     uint32_t* out = values_p + j * head_dim;
-    const float* low = t < context_len ? values + slot(t) : nullptr;
-    const float* high = t + 1 < context_len ? values + slot(t + 1) : nullptr;
+    const T* low = t < context_len ? values + slot(t) : nullptr;
+    const T* high = t + 1 < context_len ? values + slot(t + 1) : nullptr;
     for (int64_t x = 0; x < head_dim; x += kLanes)
       simd::pair_store(out + x, simd::bf16_pairs(low ? simd::load(low + x) : simd::zero(),
                                                  high ? simd::load(high + x) : simd::zero()));
@@ -271,9 +276,7 @@ struct Chunk {
 Chunk check_chunk(const torch::Tensor& q, const torch::Tensor& key_cache,
                   const torch::Tensor& value_cache, const torch::Tensor& block_table,
                   int64_t context_len, c10::ScalarType q_dtype, const char* name) {
-  TORCH_CHECK(q.dtype() == q_dtype && key_cache.dtype() == torch::kFloat32 &&
-                  value_cache.dtype() == torch::kFloat32,
-              name, ": q in ", c10::toString(q_dtype), ", a float32 cache");
+  TORCH_CHECK(q.dtype() == q_dtype, name, ": q in ", c10::toString(q_dtype));
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               name, ": contiguous tensors only");
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
@@ -332,33 +335,36 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache,
                                       int64_t context_len, double scale) {
   const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
                               torch::kFloat32, "paged_prefill_attention");
-  const TileFn attend = tile_for(c.head_dim);
-  const int64_t tile_floats = c.head_dim * kLanes;
-  std::vector<float> keys_t(c.num_kv_heads * c.num_key_tiles * tile_floats);
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
-  at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
-      transpose_keys(k_ptr + head * c.head_dim, c.table_ptr, context_len, c.block_size,
-                     c.token_stride, c.head_dim, tile, keys_t.data() + work * tile_floats);
-    }
-  });
-
   auto out = torch::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  std::vector<float> zero_row(c.head_dim, 0.f);
-  for_each_tile(c, [&](int64_t head, const int64_t* offsets, const int64_t* pos, int num_rows) {
-    const float* rows[kRows];  // padding rows read a zero row: computed, never stored
-    float* outs[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      rows[r] = offsets[r] >= 0 ? q_ptr + offsets[r] : zero_row.data();
-      outs[r] = offsets[r] >= 0 ? out_ptr + offsets[r] : nullptr;
-    }
-    attend(rows, pos, num_rows, keys_t.data() + head * c.num_key_tiles * tile_floats,
-           v_ptr + head * c.head_dim, c.table_ptr, c.block_size, c.token_stride, fscale, outs);
+  with_cache_type(key_cache, value_cache, "paged_prefill_attention", [&](auto element) {
+    using T = decltype(element);
+    const TileFn<T> attend = tile_for<T>(c.head_dim);
+    const int64_t tile_floats = c.head_dim * kLanes;
+    std::vector<float> keys_t(c.num_kv_heads * c.num_key_tiles * tile_floats);
+    const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
+    const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+    at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t work = begin; work < end; ++work) {
+        const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
+        transpose_keys(k_ptr + head * c.head_dim, c.table_ptr, context_len, c.block_size,
+                       c.token_stride, c.head_dim, tile, keys_t.data() + work * tile_floats);
+      }
+    });
+
+    const float* q_ptr = q.data_ptr<float>();
+    float* out_ptr = out.data_ptr<float>();
+    const float fscale = static_cast<float>(scale);
+    std::vector<float> zero_row(c.head_dim, 0.f);
+    for_each_tile(c, [&](int64_t head, const int64_t* offsets, const int64_t* pos, int num_rows) {
+      const float* rows[kRows];  // padding rows read a zero row: computed, never stored
+      float* outs[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        rows[r] = offsets[r] >= 0 ? q_ptr + offsets[r] : zero_row.data();
+        outs[r] = offsets[r] >= 0 ? out_ptr + offsets[r] : nullptr;
+      }
+      attend(rows, pos, num_rows, keys_t.data() + head * c.num_key_tiles * tile_floats,
+             v_ptr + head * c.head_dim, c.table_ptr, c.block_size, c.token_stride, fscale, outs);
+    });
   });
   return out;
 }
@@ -382,15 +388,18 @@ torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_ca
   const int64_t half_tile = c.head_dim / 2 * kLanes;  // words per key tile, and per value tile
   std::vector<uint32_t> keys_p(c.num_kv_heads * c.num_key_tiles * half_tile);
   std::vector<uint32_t> values_p(keys_p.size());
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
-  at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
-      pair_keys_values(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, c.table_ptr,
-                       context_len, c.block_size, c.token_stride, c.head_dim, tile,
-                       keys_p.data() + work * half_tile, values_p.data() + work * half_tile);
-    }
+  with_cache_type(key_cache, value_cache, "paged_prefill_attention_bf16", [&](auto element) {
+    using T = decltype(element);
+    const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
+    const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+    at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t work = begin; work < end; ++work) {
+        const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
+        pair_keys_values(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, c.table_ptr,
+                         context_len, c.block_size, c.token_stride, c.head_dim, tile,
+                         keys_p.data() + work * half_tile, values_p.data() + work * half_tile);
+      }
+    });
   });
 
   auto out = torch::empty_like(q);
@@ -414,7 +423,7 @@ torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_ca
 
 void register_prefill_attention(pybind11::module& m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal prefill attention of one chunk over a paged KV cache (CPU, float32)");
+        "causal prefill attention of one chunk over a paged KV cache (CPU, float32 q, a float32 or bfloat16 cache)");
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
         "the same on bf16 q in bf16 products, bf16 out (bf16_dot: AVX512-BF16's dot product)");
   m.def("bf16_dot_supported", &bf16_dot_supported,
