@@ -12,7 +12,9 @@
 # agentic-notools (default: the first three; agentic-notools is agentic without tool
 # definitions, like for like: SmolLM2's chat template renders no tools in vLLM, so there
 # its prompts are shorter than ember's, which describes them in the system prompt). $EMBER_ARGS and $VLLM_DTYPE (default bfloat16) pick each side's
-# mode. Results: /tmp/peer/<workload>-<round>-<side>.json and one line per run.
+# mode; with $EMBER_B_ARGS set, a second ember server ("emberB", port 8201) runs with
+# those flags as a third side (two ember settings against each other and vLLM at once).
+# Results: /tmp/peer/<workload>-<round>-<side>.json and one line per run.
 set -u
 VLLM_PY=$1 HF_DIR=$(realpath "$2") ROUNDS=${3:-2} WORKLOADS=${4:-random agentic trace}
 PY=$PWD/.venv/bin/python
@@ -21,6 +23,12 @@ mkdir -p /tmp/peer
 EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8200 --kv-cache-memory 1G \
     --max-model-len 4096 ${EMBER_ARGS:-} > /tmp/peer/ember.log 2>&1 &
 EMBER=$!
+SIDES="ember vllm" EMBER_B=
+if [ -n "${EMBER_B_ARGS:-}" ]; then
+  EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8201 --kv-cache-memory 1G \
+      --max-model-len 4096 $EMBER_B_ARGS > /tmp/peer/emberB.log 2>&1 &
+  EMBER_B=$! SIDES="ember vllm emberB"
+fi
 exec_vllm() {
   exec "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
       --served-model-name smollm2 --dtype "${VLLM_DTYPE:-bfloat16}" --max-model-len 4096 \
@@ -29,8 +37,8 @@ exec_vllm() {
 }
 (VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 exec_vllm > /tmp/peer/vllm.log 2>&1) &
 VLLM=$!
-trap 'kill $EMBER $VLLM 2>/dev/null; wait' EXIT
-for port in 8200 8101; do
+trap 'kill $EMBER $VLLM $EMBER_B 2>/dev/null; wait' EXIT
+for port in 8200 8101 ${EMBER_B:+8201}; do
   for _ in $(seq 600); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
 done
 declare -A ARGS=(
@@ -41,10 +49,12 @@ declare -A ARGS=(
 )
 for round in $(seq "$ROUNDS"); do
   for workload in $WORKLOADS; do
-    # alternate which side goes first, round by round
-    sides=$([ $((round % 2)) = 1 ] && echo "ember vllm" || echo "vllm ember")
+    # rotate which side goes first, round by round
+    read -ra order <<< "$SIDES"
+    shift_by=$(( (round - 1) % ${#order[@]} ))
+    sides="${order[*]:shift_by} ${order[*]:0:shift_by}"
     for side in $sides; do
-      port=$([ "$side" = ember ] && echo 8200 || echo 8101)
+      case $side in ember) port=8200 ;; emberB) port=8201 ;; *) port=8101 ;; esac
       out=/tmp/peer/$workload-$round-$side
       $PY -m ember.cli bench serve --url http://127.0.0.1:$port ${ARGS[$workload]} \
           --tokenizer "$HF_DIR" --seed "$round" --no-progress --out "$out.json" > "$out.txt" 2>&1

@@ -343,7 +343,7 @@ class EngineConfig:
     # the step budget: while decodes run, prefill chunks shrink so that a step's predicted
     # time stays within max_step_ms (0: off, chunks fill max_num_batched_tokens), but
     # never below min_prefill_tokens, so long prompts keep moving
-    max_step_ms: float = 100.0
+    max_step_ms: float = 250.0
     min_prefill_tokens: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
