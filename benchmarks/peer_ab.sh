@@ -13,7 +13,8 @@
 # definitions, like for like: SmolLM2's chat template renders no tools in vLLM, so there
 # its prompts are shorter than ember's, which describes them in the system prompt). $EMBER_ARGS and $VLLM_DTYPE (default bfloat16) pick each side's
 # mode; with $EMBER_B_ARGS set, a second ember server ("emberB", port 8201) runs with
-# those flags as a third side (two ember settings against each other and vLLM at once).
+# those flags (and the environment assignments in $EMBER_B_ENV, e.g. EMBER_CPU_ISA=avx2)
+# as a third side: two ember settings against each other and vLLM at once.
 # Results: /tmp/peer/<workload>-<round>-<side>.json and one line per run.
 set -u
 VLLM_PY=$1 HF_DIR=$(realpath "$2") ROUNDS=${3:-2} WORKLOADS=${4:-random agentic trace}
@@ -25,7 +26,7 @@ EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8200 --kv-cache-memory 1G 
 EMBER=$!
 SIDES="ember vllm" EMBER_B=
 if [ -n "${EMBER_B_ARGS:-}" ]; then
-  EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8201 --kv-cache-memory 1G \
+  env ${EMBER_B_ENV:-} EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8201 --kv-cache-memory 1G \
       --max-model-len 4096 $EMBER_B_ARGS > /tmp/peer/emberB.log 2>&1 &
   EMBER_B=$! SIDES="ember vllm emberB"
 fi
