@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bf16_prefill import GREEDY, NEW_TOKENS
+from test_bf16_prefill import _hf_bf16_greedy as hf_greedy
 from test_models import PROMPTS, SMALL_KV, prefill_logits, token_ids
 from transformers import AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
 
-from ember import LLM, SamplingParams
+from ember import LLM
 from ember.cli import build_parser
 from ember.config import EngineConfig
 from ember.engine.kernels import cpu_kernels
-
-NEW_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def rounded_kv_reference(path, monkeypatch):
@@ -33,18 +32,6 @@ def rounded_kv_reference(path, monkeypatch):
     for layer in model.model.layers:
         layer.self_attn.v_proj.register_forward_hook(lambda _m, _i, out: out.bfloat16().float())
     return model
-
-
-def greedy(model, prompt):
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("backend", ["cpu-paged", "sdpa"])
@@ -76,7 +63,7 @@ def test_a_bf16_cache_computes_what_transformers_does_with_keys_and_values_round
     error, off = (ours - theirs).abs(), (ours - unrounded).abs()
     assert error.max() < 1e-3 and error.mean() < 2e-5
     assert off.mean() > 1e-3
-    expected = [greedy(reference, prompt) for prompt in PROMPTS]
+    expected = [hf_greedy(reference, prompt)[0] for prompt in PROMPTS]  # (tokens, gaps)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 

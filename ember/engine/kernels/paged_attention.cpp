@@ -213,29 +213,6 @@ AttendFn<T> attend_for(int64_t head_dim, int64_t group) {
 template <typename T>
 void decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
                       const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                      const torch::Tensor& context_lens, double scale, torch::Tensor& out);
-
-}  // namespace
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode_attention: float32 q");
-  TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_decode_attention: contiguous tensors only");
-  auto out = torch::zeros_like(q);
-  with_cache_type(key_cache, value_cache, "paged_decode_attention", [&](auto element) {
-    decode_attention<decltype(element)>(q, key_cache, value_cache, block_tables, context_lens,
-                                        scale, out);
-  });
-  return out;
-}
-
-namespace {
-
-template <typename T>
-void decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
-                      const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                       const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -301,6 +278,20 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
 }
 
 }  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode_attention: float32 q");
+  TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "paged_decode_attention: contiguous tensors only");
+  auto out = torch::zeros_like(q);
+  with_cache_type(key_cache, value_cache, "paged_decode_attention", [&](auto element) {
+    decode_attention<decltype(element)>(q, key_cache, value_cache, block_tables, context_lens,
+                                        scale, out);
+  });
+  return out;
+}
 
 void register_layer_kernels(pybind11::module& m);  // layers.cpp
 void register_decode_layer(pybind11::module& m);   // decode_layer.cpp
