@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bf16_prefill import GREEDY as GREEDY_16
+from test_bf16_prefill import _hf_bf16_greedy as hf_greedy
+from test_kv_cache_dtype import rounded_kv_reference
 from test_models import GREEDY, PROMPTS, SMALL_KV, hf_reference, token_ids
 from test_sampling import make_request
 
@@ -44,6 +47,25 @@ def test_a_context_shorter_than_the_step_budget_sizes_its_kv_cache(tiny_checkpoi
     llm = LLM(str(tiny_checkpoint("llama")), device="cuda", max_model_len=64, **SMALL_SHARE)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_a_bf16_kv_cache_on_cuda_matches_transformers_with_keys_and_values_rounded(
+    tiny_checkpoint, monkeypatch
+):
+    """fp32 weights over a bf16 cache on CUDA (torch's SDPA reads it in fp32): greedy
+    tokens are transformers' in fp32 with each key (after rotary) and value rounded to
+    bf16; every block comes back."""
+    path = tiny_checkpoint("llama")
+    reference = rounded_kv_reference(path, monkeypatch)
+    expected = [hf_greedy(reference, prompt)[0] for prompt in PROMPTS]
+    llm = LLM(
+        str(path), device="cuda", dtype="float32", kv_cache_dtype="bfloat16",
+        max_num_batched_tokens=64, **SMALL_KV,
+    )  # fmt: skip
+    assert {t.dtype for t in llm.engine.core.runner.kv_caches} == {torch.bfloat16}
+    assert token_ids(llm.generate(PROMPTS, GREEDY_16)) == expected
+    kv = llm.engine.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and kv.check_integrity()
 
 
 def test_penalties_on_cuda_equal_the_cpu_ones():
