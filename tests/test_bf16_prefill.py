@@ -17,21 +17,30 @@ from ember.models.layers import BF16_MIN_ROWS, BLOCK_GEMM_MAX_ROWS, Linear, cpu_
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-# Bounds on PROMPTS[0]'s 200 rows of logits (these random models' logits reach ~9 in
-# absolute value; measured: transformers in bf16 is 0.24-0.68 off its fp32 logits at worst,
-# 0.026-0.044 on average, and ember's bf16 prefill 0.24-0.57 and 0.022-0.037):
-# - against transformers in bf16: at most MAX_ERROR of the largest logit, MAX_MEAN_ERROR
-#   of it on average, and the same top-1 token in at least MIN_ARGMAX_AGREEMENT of rows;
-# - against fp32: no further off than transformers' own bf16 run, times FP32_SLACK (norms,
-#   rotary, softmax and the residual stream stay fp32 in ember), yet more than
-#   BF16_MIN_ERROR off (the bf16 path really ran).
-MAX_ERROR = 0.1
+# Bounds on the rows of logits of four prompts of 121-400 tokens, taken together. These
+# random models' logits reach ~9-10 in absolute value. Measured on an AMX Xeon, off the
+# fp32 logits, transformers in bf16 / ember's bf16 prefill:
+# - 99.9th percentile 0.13-0.35 / 0.11-0.28;
+# - mean 0.025-0.047 / 0.020-0.038;
+# - the single worst 0.24-0.79 / 0.32-0.64. One prompt's worst logit is too noisy to bound
+#   tightly: ember's was 0.8-1.35x transformers' prompt by prompt.
+# The checks:
+# - against transformers in bf16: at most MAX_ERROR of the largest logit at worst,
+#   MAX_MEAN_ERROR of it on average, and the same top-1 token in at least
+#   MIN_ARGMAX_AGREEMENT of rows;
+# - against fp32: no further off than transformers' own bf16 run, times FP32_SLACK, on
+#   average and at the 99.9th percentile (norms, rotary, softmax and the residual stream
+#   stay fp32 in ember), times WORST_SLACK at worst, yet more than BF16_MIN_ERROR off (the
+#   bf16 path really ran).
+MAX_ERROR = 0.15
 MAX_MEAN_ERROR = 0.01
 MIN_ARGMAX_AGREEMENT = 0.9
 FP32_SLACK = 1.25
+WORST_SLACK = 2.0
 BF16_MIN_ERROR = 1e-3
 # Greedy steps must agree where transformers' own bf16 top-2 logit gap is at least MARGIN
-# (above twice the worst logit error measured above, so a rounding cannot swap them)
+# (above the worst difference between the two bf16 runs' logits measured above, 0.95,
+# so that a rounding does not swap them)
 MARGIN = 1.5
 
 needs_bf16 = pytest.mark.skipif(not cpu_has_bf16(), reason="needs AMX or AVX-512 BF16")
@@ -46,18 +55,26 @@ def _hf_bf16(path):
 def test_prefill_logits_near_transformers_bf16(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     fp32_model, _ = hf_reference(path, arch)
-    ids = torch.tensor([PROMPTS[0]])
-    with torch.inference_mode():
-        exact = fp32_model(ids).logits[0]
-        theirs = _hf_bf16(path)(ids).logits[0].float()
-    ours = prefill_logits(LLM(str(path), matmul_precision="bf16", **SMALL_KV), PROMPTS[0])
+    hf_bf16 = _hf_bf16(path)
+    llm = LLM(str(path), matmul_precision="bf16", **SMALL_KV)
+    seeded = torch.Generator().manual_seed(1)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    prompts += [torch.randint(3, 480, (n,), generator=seeded).tolist() for n in (250, 400)]
+    rows = []  # (exact, theirs, ours) per prompt
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            exact, theirs = (m(ids).logits[0].float() for m in (fp32_model, hf_bf16))
+        rows.append((exact, theirs, prefill_logits(llm, prompt)))
+    exact, theirs, ours = (torch.cat(column) for column in zip(*rows, strict=True))
     assert ours.dtype == torch.float32
     scale = exact.abs().max()
     error = (ours - theirs).abs()
     assert error.max() < MAX_ERROR * scale and error.mean() < MAX_MEAN_ERROR * scale
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= MIN_ARGMAX_AGREEMENT
-    ours_off, theirs_off = (ours - exact).abs(), (theirs - exact).abs()
-    assert BF16_MIN_ERROR < ours_off.max() <= FP32_SLACK * theirs_off.max()
+    ours_off, theirs_off = ((x - exact).abs().flatten() for x in (ours, theirs))
+    assert BF16_MIN_ERROR < ours_off.max() <= WORST_SLACK * theirs_off.max()
+    assert ours_off.quantile(0.999) <= FP32_SLACK * theirs_off.quantile(0.999)
     assert ours_off.mean() <= FP32_SLACK * theirs_off.mean()
 
 
