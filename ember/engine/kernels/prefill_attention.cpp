@@ -109,12 +109,17 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
   for (int64_t tile = 0; tile < num_tiles; ++tile) {
     // scores[r] = q_r . keys of this tile, R vectors in registers
     simd::vf acc[R];
+    // the R sums stay in registers only with the row loops unrolled (rolled, GCC 12 kept
+    // them in memory: a load and a store around every product, docs/benchmarks.md)
+#pragma GCC unroll 32
     for (int r = 0; r < R; ++r) acc[r] = simd::zero();
     const float* kt = keys_t + tile * head_dim * kLanes;
     for (int64_t d = 0; d < head_dim; ++d) {
       const simd::vf key = simd::load(kt + d * kLanes);
+#pragma GCC unroll 32
       for (int r = 0; r < R; ++r) acc[r] = simd::fma(simd::set1(queries[d][r]), key, acc[r]);
     }
+#pragma GCC unroll 32
     for (int r = 0; r < R; ++r) simd::store(scores[r], simd::mul(acc[r], vscale));
 
     const int64_t start = tile * kLanes;
