@@ -26,26 +26,33 @@ import time
 CASES = [(1, 512), (1, 286), (4, 286), (4, 190)]
 
 
-def make_llm(side: str, model: str | None, max_batched: int | None):
+def make_generate(side: str, model: str | None, max_batched: int | None):
+    """That side's engine, as a function of token-id prompts: one greedy token each."""
     if side == "ember":
-        from ember import LLM
+        from ember import LLM, SamplingParams
 
-        return LLM(
+        llm = LLM(
             model,
             enable_prefix_caching=False,
             kv_cache_memory=1 << 30,
             max_num_batched_tokens=max_batched or 512,
         )
+        params = SamplingParams(temperature=0, max_tokens=1)
+        return lambda prompts: llm.generate(prompts, params)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
-    return LLM(
+    llm = LLM(
         model,
         dtype="bfloat16",
         max_model_len=4096,
         enable_prefix_caching=False,
         max_num_batched_tokens=max_batched or 4096,
+    )
+    params = SamplingParams(temperature=0, max_tokens=1)
+    return lambda prompts: llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
     )
 
 
@@ -58,23 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.side == "vllm" and args.model is None:
         parser.error("--side vllm needs --model (a Hugging Face directory)")
-    llm = make_llm(args.side, args.model, args.max_num_batched_tokens)
+    generate = make_generate(args.side, args.model, args.max_num_batched_tokens)
     rng = random.Random(0)
-
-    if args.side == "ember":
-        from ember import SamplingParams
-
-        params = SamplingParams(temperature=0, max_tokens=1)
-
-        def generate(prompts):
-            llm.generate(prompts, params)
-    else:
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0, max_tokens=1)
-
-        def generate(prompts):
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     def timed(num: int, length: int) -> float:
         prompts = [[rng.randint(1000, 40000) for _ in range(length)] for _ in range(num)]
