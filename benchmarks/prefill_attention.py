@@ -6,7 +6,8 @@ product where it has one) against torch's SDPA (fp32 and bf16).
 For each chunk x context shape, the kernel reads a paged cache (16-token blocks in a
 shuffled order) and SDPA a gathered copy with the chunk's causal mask, as the backends
 do; prints the largest difference from SDPA fp32 and the median time of each, per call.
-"ember bf16" is the kernel a bf16 prefill step calls (bf16 q and products, float32 cache).
+"ember bf16" is the bf16 kernel on the CPU's bf16 dot product (bf16 q and products, float32
+cache), "ember amx" the same attention on AMX tiles where the CPU has them.
 """
 
 from __future__ import annotations
@@ -67,19 +68,27 @@ def measure(kernels, tokens, context, heads, kv_heads, dim, repeats) -> str:
             q_bf16, key_cache, value_cache, table, context, scale, native
         )
 
+    def ember_amx():
+        return kernels.paged_prefill_attention_amx(
+            q_bf16, key_cache, value_cache, table, context, scale
+        )
+
     reference = sdpa(torch.float32)
-    diff = (ember() - reference).abs().max().item()
-    diff_bf16 = (ember_bf16().float() - reference).abs().max().item()
+    diffs = {"ember": ember(), "bf16": ember_bf16().float()}
     row = {
         "sdpa fp32": timed(lambda: sdpa(torch.float32), repeats),
         "sdpa bf16": timed(lambda: sdpa(torch.bfloat16), repeats),
         "ember": timed(ember, repeats),
         f"ember bf16 ({'bf16 dot' if native else 'fp32 FMAs'})": timed(ember_bf16, repeats),
     }
+    if kernels.amx_supported():
+        diffs["amx"] = ember_amx().float()
+        row["ember amx"] = timed(ember_amx, repeats)
     cells = ", ".join(f"{name} {ms:.2f} ms" for name, ms in row.items())
-    return (
-        f"{tokens} x {context}: {cells}; max |ember - sdpa fp32| {diff:.1e}, bf16 {diff_bf16:.1e}"
+    errors = ", ".join(
+        f"{name} {(out - reference).abs().max().item():.1e}" for name, out in diffs.items()
     )
+    return f"{tokens} x {context}: {cells}; max |x - sdpa fp32|: {errors}"
 
 
 def main() -> None:

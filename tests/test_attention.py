@@ -173,11 +173,15 @@ def test_unknown_backend_is_a_clear_error():
         get_attention_backend("flash", torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("bf16_dot", [True, False])
 @pytest.mark.parametrize("bf16_sdpa", [True, False])
-def test_bf16_prefill_chunks_go_to_sdpa_where_the_cpu_has_amx(bf16_sdpa, bf16_dot, monkeypatch):
-    """On a CPU with AMX (`bf16_sdpa`, forced here) a bf16 prefill chunk of 64 rows or more
-    attends through torch's bf16 SDPA; a shorter one (every one without AMX) through
+def test_bf16_prefill_chunks_take_the_fastest_route_the_cpu_has(
+    bf16_sdpa, bf16_dot, amx, monkeypatch
+):
+    """Where ember's AMX kernel runs (`amx`) every bf16 prefill chunk attends through it.
+    Else, on a CPU with AMX (`bf16_sdpa`, forced here) a bf16 prefill chunk of 64 rows or
+    more attends through torch's bf16 SDPA; a shorter one (every one without AMX) through
     ember's kernel, in bf16 products where the CPU has a bf16 dot product (`bf16_dot`),
     else in float32. The results stay within bf16 rounding of causal attention."""
     from ember.engine.attention import AMX_SDPA_MIN_ROWS, CPUPagedBackend
@@ -186,22 +190,25 @@ def test_bf16_prefill_chunks_go_to_sdpa_where_the_cpu_has_amx(bf16_sdpa, bf16_do
     kernels = cpu_kernels()
     if bf16_dot and not kernels.bf16_dot_supported():
         pytest.skip("this CPU has no bf16 dot product (AVX512-BF16)")
+    if amx and not kernels.amx_supported():
+        pytest.skip("this CPU or build has no AMX tiles")
     rows, sdpa_prefill = [], TorchSDPABackend._prefill
 
     def counted(q, k, v, kv_cache, seq, scale):
         rows.append(seq.query_len)
         return sdpa_prefill(q, k, v, kv_cache, seq, scale)
 
-    calls = {"bf16": 0, "fp32": 0}
+    calls = {"amx": 0, "bf16": 0, "fp32": 0}
 
     class Counted:  # the kernels, counting the prefill calls of each kind
         def __getattr__(self, name):
             if name.startswith("paged_prefill_attention"):
-                calls["bf16" if name.endswith("bf16") else "fp32"] += 1
+                kind = name.removeprefix("paged_prefill_attention").lstrip("_") or "fp32"
+                calls[kind] += 1
             return getattr(kernels, name)
 
     monkeypatch.setattr(TorchSDPABackend, "_prefill", staticmethod(counted))
-    backend = CPUPagedBackend(Counted(), bf16_sdpa=bf16_sdpa, bf16_dot=bf16_dot)
+    backend = CPUPagedBackend(Counted(), bf16_sdpa=bf16_sdpa, bf16_dot=bf16_dot, amx=amx)
     torch.manual_seed(0)
     head_dim = 64
     kv_cache = torch.zeros(2, 64, BS, HKV, head_dim)
@@ -216,8 +223,7 @@ def test_bf16_prefill_chunks_go_to_sdpa_where_the_cpu_has_amx(bf16_sdpa, bf16_do
     outs = run_step(backend, kv_cache, low, done)
     for i, (q, k, v, _) in enumerate(seqs):
         torch.testing.assert_close(outs[i].float(), reference(q, k, v), atol=3e-2, rtol=0)
-    assert rows == ([90] if bf16_sdpa else [])
+    assert rows == ([90] if bf16_sdpa and not amx else [])
     kernel_calls = sum(n > 1 for n in lengths) - len(rows)  # a 1-token chunk decodes
-    assert calls == (
-        {"bf16": kernel_calls, "fp32": 0} if bf16_dot else {"bf16": 0, "fp32": kernel_calls}
-    )
+    kind = "amx" if amx else ("bf16" if bf16_dot else "fp32")
+    assert calls == {"amx": 0, "bf16": 0, "fp32": 0} | {kind: kernel_calls}

@@ -411,7 +411,10 @@ def test_bf16_prefill_attention_is_attention_on_bf16_operands(
     rounding of the softmax weights and of the bf16 output (2^-8 of the largest value,
     with room) of attention computed in float64 on the rounded operands. Where this build
     and CPU have the bf16 dot product it gives exactly what the float multiply-adds give;
-    every build runs the latter."""
+    every build runs the latter. Where they have AMX tiles, the AMX kernel is held to the
+    same bound, and to the float multiply-adds' result within a bf16 rounding (its sums
+    run in another order: a score's float32 rounding can tip a weight's or an output's
+    bf16 rounding)."""
     torch.manual_seed(tokens + context)
     num_kv_heads = 2
     for head_dim in kernels.prefill_head_dims:
@@ -428,6 +431,11 @@ def test_bf16_prefill_attention_is_attention_on_bf16_operands(
         assert (out.double() - expected).abs().max().item() < bound
         if kernels.bf16_dot_supported():
             assert torch.equal(kernels.paged_prefill_attention_bf16(*args, True), out)
+        if kernels.amx_supported():
+            tiles = kernels.paged_prefill_attention_amx(*args)
+            assert tiles.dtype == torch.bfloat16 and tiles.shape == q.shape
+            assert (tiles.double() - expected).abs().max().item() < bound
+            torch.testing.assert_close(tiles, out, atol=bound / 2, rtol=2**-7)
 
 
 def test_bf16_prefill_attention_refuses_a_dot_product_it_lacks_and_float32_q(kernels):

@@ -169,8 +169,9 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
 
 
 # a bf16 prefill chunk of at least this many rows attends through torch's bf16 SDPA on a
-# CPU with AMX: 1.6-2.5x faster there than ember's fp32 kernel from 128 rows on, slower
-# at 16 (docs/benchmarks.md, "Prefill attention on an AMX CPU")
+# CPU with AMX where ember's AMX kernel cannot run: 1.6-2.5x faster there than ember's fp32
+# kernel from 128 rows on, slower at 16 (docs/benchmarks.md, "Prefill attention on an AMX
+# CPU")
 AMX_SDPA_MIN_ROWS = 64
 
 
@@ -178,18 +179,26 @@ class CPUPagedBackend(TorchSDPABackend):
     """Attends with ember's C++ kernels, which read K and V blocks in place (no gathered
     copy of every context, which at 64 sequences costs more than the matmuls): decodes in
     one batched call, prefill chunks one by one, causal without a mask. A bf16 prefill
-    chunk (a bf16 step) attends in bf16 products where the CPU has a bf16 dot product
-    (AVX512-BF16: 1.4-1.7x the fp32 kernel's speed, docs/benchmarks.md), and through
-    torch's bf16 SDPA from AMX_SDPA_MIN_ROWS rows where `bf16_sdpa` (a CPU with AMX:
-    oneDNN's attention on the tiles); head sizes the prefill kernels have no build for go
-    to torch's SDPA. CPU; a float32 or bfloat16 cache (kv_cache_dtype), which the kernels
-    widen to float32 as they read it."""
+    chunk (a bf16 step) attends in bf16 products: on AMX tiles where `amx` (the CPU has
+    them and Linux grants them: 2-2.8x torch's bf16 SDPA, docs/benchmarks.md), else on the
+    CPU's bf16 dot product where `bf16_dot` (AVX512-BF16: 1.4-1.7x the fp32 kernel's
+    speed), and through torch's bf16 SDPA from AMX_SDPA_MIN_ROWS rows where `bf16_sdpa` but
+    not `amx` (torch's oneDNN attention on the tiles); head sizes the prefill kernels have
+    no build for go to torch's SDPA. CPU; a float32 or bfloat16 cache (kv_cache_dtype),
+    which the kernels widen to float32 as they read it."""
 
-    def __init__(self, kernels, bf16_sdpa: bool | None = None, bf16_dot: bool | None = None):
+    def __init__(
+        self,
+        kernels,
+        bf16_sdpa: bool | None = None,
+        bf16_dot: bool | None = None,
+        amx: bool | None = None,
+    ):
         from ember.models.layers import cpu_has_amx
 
         self.kernels = kernels
         self.prefill_head_dims = frozenset(kernels.prefill_head_dims)
+        self.amx = kernels.amx_supported() if amx is None else amx
         self.bf16_sdpa = cpu_has_amx() if bf16_sdpa is None else bf16_sdpa
         self.bf16_dot = kernels.bf16_dot_supported() if bf16_dot is None else bf16_dot
 
@@ -203,10 +212,12 @@ class CPUPagedBackend(TorchSDPABackend):
         torch's SDPA in either dtype, docs/benchmarks.md)."""
         bf16 = q.dtype == torch.bfloat16
         if q.shape[-1] not in self.prefill_head_dims or (
-            bf16 and self.bf16_sdpa and seq.query_len >= AMX_SDPA_MIN_ROWS
+            bf16 and not self.amx and self.bf16_sdpa and seq.query_len >= AMX_SDPA_MIN_ROWS
         ):
             return super()._prefill(q, k, v, kv_cache, seq, scale)
         cache = (kv_cache[0], kv_cache[1], seq.block_ids, seq.context_len, scale)
+        if bf16 and self.amx:
+            return self.kernels.paged_prefill_attention_amx(q.contiguous(), *cache)
         if bf16 and self.bf16_dot:
             return self.kernels.paged_prefill_attention_bf16(q.contiguous(), *cache, True)
         return self.kernels.paged_prefill_attention(q.float().contiguous(), *cache).to(q.dtype)

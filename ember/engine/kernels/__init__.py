@@ -43,7 +43,14 @@ _SOURCES = (
     "block_gemm.cpp",
     "int8_tiles.cpp",
 )
-_HEADERS = ("simd.h", "cache_types.h", "int8_rows.h", "int8_tiles.inc", "prefill_bf16_tile.inc")
+_HEADERS = (
+    "simd.h",
+    "cache_types.h",
+    "int8_rows.h",
+    "int8_tiles.inc",
+    "prefill_bf16_tile.inc",
+    "prefill_amx_tile.inc",
+)
 _CFLAGS = ["-O3", "-fopenmp", "-fvisibility=hidden"]
 ISA_FLAGS = {
     "avx512": ["-march=x86-64-v4", "-mtune=icelake-server"],  # measured: generic tuning 10% slower

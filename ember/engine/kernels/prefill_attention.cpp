@@ -39,6 +39,12 @@
 #include "cache_types.h"
 #include "simd.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 using simd::kLanes;
@@ -226,9 +232,36 @@ inline void round_pairs(simd::vf e, uint32_t* out) {
 #include "prefill_bf16_tile.inc"
 }  // namespace native
 #pragma GCC pop_options
+
+// The bf16 attention on AMX tiles: built into the AVX-512 kernels under that target, run
+// only where amx_supported()
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
+#include "prefill_amx_tile.inc"
+#pragma GCC pop_options
 #else
 #define EMBER_BF16_DOT 0
 #endif
+
+// Whether this build has the AMX kernel and may run it: the CPU has AMX-BF16 (CPUID leaf 7:
+// EDX bits 22 and 24) and Linux lets this process use the tile state, which it must ask for
+// once (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; refused on kernels before
+// 5.16 or where the OS keeps it off).
+bool amx_supported() {
+#if EMBER_BF16_DOT
+  static const bool granted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
+    if (!amx_bf16 || !amx_tile || !__builtin_cpu_supports("avx512bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
 
 bool bf16_dot_supported() {
 #if EMBER_BF16_DOT
@@ -273,7 +306,7 @@ void pair_keys_values(const T* keys, const T* values, const int64_t* table,
 // What both entry points check and share: the chunk's shapes and its block table
 struct Chunk {
   int64_t num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, token_stride;
-  int64_t num_key_tiles, rows_per_head, tiles_per_head, first_pos;
+  int64_t num_key_tiles, rows_per_head, first_pos;
   torch::Tensor table;
   const int64_t* table_ptr;
 };
@@ -305,31 +338,38 @@ Chunk check_chunk(const torch::Tensor& q, const torch::Tensor& key_cache,
   c.token_stride = c.num_kv_heads * c.head_dim;
   c.num_key_tiles = (context_len + kLanes - 1) / kLanes;
   c.rows_per_head = c.num_tokens * c.group;  // row = token * group + g
-  c.tiles_per_head = (c.rows_per_head + kRows - 1) / kRows;
   c.first_pos = context_len - c.num_tokens;
   return c;
 }
 
-// Runs attend(head, row offsets, positions, rows) on every tile of kRows query rows, all
+// Runs attend(head, row offsets, positions, rows) on every tile of Rows query rows, all
 // KV heads, over the threads; a tile's unused rows get offset -1. Tiles come from both ends
 // of the chunk in turn: later rows see more keys, and each thread's run of work items then
-// holds cheap and dear tiles alike.
-template <class Attend>
-void for_each_tile(const Chunk& c, Attend attend) {
-  at::parallel_for(0, c.num_kv_heads * c.tiles_per_head, 1, [&](int64_t begin, int64_t end) {
-    int64_t offsets[kRows], pos[kRows];
+// holds cheap and dear tiles alike. Each thread calls begin() before its first tile and
+// end() after its last.
+struct NoHook {
+  void operator()() const {}
+};
+
+template <int Rows = kRows, class Attend, class Begin = NoHook, class End = NoHook>
+void for_each_tile(const Chunk& c, Attend attend, Begin begin_thread = {}, End end_thread = {}) {
+  const int64_t tiles_per_head = (c.rows_per_head + Rows - 1) / Rows;
+  at::parallel_for(0, c.num_kv_heads * tiles_per_head, 1, [&](int64_t begin, int64_t end) {
+    int64_t offsets[Rows], pos[Rows];
+    begin_thread();
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t head = work / c.tiles_per_head, turn = work % c.tiles_per_head;
-      const int64_t tile = turn % 2 == 0 ? turn / 2 : c.tiles_per_head - 1 - turn / 2;
-      const int64_t row0 = tile * kRows;
-      const int num_rows = static_cast<int>(std::min<int64_t>(kRows, c.rows_per_head - row0));
-      for (int r = 0; r < kRows; ++r) {
+      const int64_t head = work / tiles_per_head, turn = work % tiles_per_head;
+      const int64_t tile = turn % 2 == 0 ? turn / 2 : tiles_per_head - 1 - turn / 2;
+      const int64_t row0 = tile * Rows;
+      const int num_rows = static_cast<int>(std::min<int64_t>(Rows, c.rows_per_head - row0));
+      for (int r = 0; r < Rows; ++r) {
         const int64_t row = row0 + std::min(r, num_rows - 1), token = row / c.group;
         offsets[r] = r < num_rows ? (token * c.num_heads + head * c.group + row % c.group) * c.head_dim : -1;
         pos[r] = c.first_pos + token;
       }
       attend(head, offsets, pos, num_rows);
     }
+    end_thread();
   });
 }
 
@@ -374,6 +414,63 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache,
   return out;
 }
 
+namespace {
+
+// Every KV head's keys and values as bf16 pairs (pair_keys_values), key_tiles tiles a head
+// (past the context: zero)
+struct PairedCache {
+  std::vector<uint32_t> keys, values;
+  int64_t head_words;  // a KV head's words in either
+};
+
+PairedCache pair_cache(const Chunk& c, const torch::Tensor& key_cache,
+                       const torch::Tensor& value_cache, int64_t context_len,
+                       int64_t key_tiles, const char* name) {
+  const int64_t tile_words = c.head_dim / 2 * kLanes;  // a key tile, and a value tile
+  PairedCache paired{{}, {}, key_tiles * tile_words};
+  paired.keys.resize(c.num_kv_heads * paired.head_words);
+  paired.values.resize(paired.keys.size());
+  with_cache_type(key_cache, value_cache, name, [&](auto element) {
+    using T = decltype(element);
+    const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
+    const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+    at::parallel_for(0, c.num_kv_heads * key_tiles, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t work = begin; work < end; ++work) {
+        const int64_t head = work / key_tiles, tile = work % key_tiles;
+        pair_keys_values(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, c.table_ptr,
+                         context_len, c.block_size, c.token_stride, c.head_dim, tile,
+                         paired.keys.data() + work * tile_words,
+                         paired.values.data() + work * tile_words);
+      }
+    });
+  });
+  return paired;
+}
+
+// Runs attend(rows, outs, first word of the KV head, num_rows) on tiles of Rows query rows
+// of bf16 q, writing bf16 out
+template <int Rows, class Attend, class Begin = NoHook, class End = NoHook>
+void for_each_bf16_tile(const Chunk& c, const torch::Tensor& q, torch::Tensor& out,
+                        int64_t head_words, Attend attend, Begin begin = {}, End end = {}) {
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> zero_row(c.head_dim, 0);
+  for_each_tile<Rows>(
+      c,
+      [&](int64_t head, const int64_t* offsets, const int64_t* pos, int num_rows) {
+        const uint16_t* rows[Rows];  // padding rows read a zero row: computed, never stored
+        c10::BFloat16* outs[Rows];
+        for (int r = 0; r < Rows; ++r) {
+          rows[r] = offsets[r] >= 0 ? q_ptr + offsets[r] : zero_row.data();
+          outs[r] = offsets[r] >= 0 ? out_ptr + offsets[r] : nullptr;
+        }
+        attend(rows, outs, pos, num_rows, head * head_words);
+      },
+      begin, end);
+}
+
+}  // namespace
+
 // The same attention on bf16 q in bf16 products (keys, values and the softmax weights
 // rounded to bf16; scores, softmax and sums in float32), bf16 out: `bf16_dot` on
 // AVX512-BF16's dot product (bf16_dot_supported()), else on float multiply-adds that give
@@ -381,49 +478,61 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache,
 torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache,
                                            torch::Tensor value_cache, torch::Tensor block_table,
                                            int64_t context_len, double scale, bool bf16_dot) {
+  const char* name = "paged_prefill_attention_bf16";
   const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
-                              torch::kBFloat16, "paged_prefill_attention_bf16");
-  TORCH_CHECK(!bf16_dot || bf16_dot_supported(),
-              "paged_prefill_attention_bf16: this CPU or build has no bf16 dot product");
+                              torch::kBFloat16, name);
+  TORCH_CHECK(!bf16_dot || bf16_dot_supported(), name, ": this CPU or build has no bf16 dot product");
 #if EMBER_BF16_DOT
   const auto attend = bf16_dot ? native::tile_bf16_for(c.head_dim) : plain::tile_bf16_for(c.head_dim);
 #else
   const auto attend = plain::tile_bf16_for(c.head_dim);
 #endif
-  const int64_t half_tile = c.head_dim / 2 * kLanes;  // words per key tile, and per value tile
-  std::vector<uint32_t> keys_p(c.num_kv_heads * c.num_key_tiles * half_tile);
-  std::vector<uint32_t> values_p(keys_p.size());
-  with_cache_type(key_cache, value_cache, "paged_prefill_attention_bf16", [&](auto element) {
-    using T = decltype(element);
-    const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
-    const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
-    at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t work = begin; work < end; ++work) {
-        const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
-        pair_keys_values(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, c.table_ptr,
-                         context_len, c.block_size, c.token_stride, c.head_dim, tile,
-                         keys_p.data() + work * half_tile, values_p.data() + work * half_tile);
-      }
-    });
-  });
-
+  const PairedCache paired = pair_cache(c, key_cache, value_cache, context_len, c.num_key_tiles, name);
   auto out = torch::empty_like(q);
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>());
   const float fscale = static_cast<float>(scale);
-  std::vector<uint32_t> zero_row(c.head_dim / 2, 0u);
-  for_each_tile(c, [&](int64_t head, const int64_t* offsets, const int64_t* pos, int num_rows) {
-    const uint32_t* rows[kRows];  // a row's bf16 values read as pairs
-    c10::BFloat16* outs[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      rows[r] = offsets[r] >= 0 ? reinterpret_cast<const uint32_t*>(q_ptr + offsets[r]) : zero_row.data();
-      outs[r] = offsets[r] >= 0 ? out_ptr + offsets[r] : nullptr;
-    }
-    const int64_t first_word = head * c.num_key_tiles * half_tile;
-    attend(rows, pos, num_rows, keys_p.data() + first_word, values_p.data() + first_word,
-           fscale, outs);
-  });
+  for_each_bf16_tile<kRows>(c, q, out, paired.head_words,
+                            [&](const uint16_t* const* rows, c10::BFloat16* const* outs,
+                                const int64_t* pos, int num_rows, int64_t first_word) {
+                              const uint32_t* pairs[kRows];  // a row's bf16 values read as pairs
+                              for (int r = 0; r < kRows; ++r)
+                                pairs[r] = reinterpret_cast<const uint32_t*>(rows[r]);
+                              attend(pairs, pos, num_rows,
+                                     paired.keys.data() + first_word,
+                                     paired.values.data() + first_word, fscale, outs);
+                            });
   return out;
+}
+
+// The same attention (bf16 q, keys, values and weights; float32 scores, softmax and sums)
+// on AMX tiles, where amx_supported(): the products summed in another order than the
+// kernel above, so the results differ from it by float32 rounding.
+torch::Tensor paged_prefill_attention_amx(torch::Tensor q, torch::Tensor key_cache,
+                                          torch::Tensor value_cache, torch::Tensor block_table,
+                                          int64_t context_len, double scale) {
+  const char* name = "paged_prefill_attention_amx";
+  const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
+                              torch::kBFloat16, name);
+  TORCH_CHECK(amx_supported(), name, ": this CPU or build has no AMX tiles");
+#if EMBER_BF16_DOT
+  using amx::kBlockTiles;
+  const auto attend = amx::rows_for(c.head_dim);
+  TORCH_CHECK(attend != nullptr && c.head_dim % 32 == 0, name, ": head_dim ", c.head_dim);
+  const int64_t key_tiles = (c.num_key_tiles + kBlockTiles - 1) / kBlockTiles * kBlockTiles;
+  const PairedCache paired = pair_cache(c, key_cache, value_cache, context_len, key_tiles, name);
+  auto out = torch::empty_like(q);
+  const float fscale = static_cast<float>(scale);
+  for_each_bf16_tile<amx::kAmxRows>(
+      c, q, out, paired.head_words,
+      [&](const uint16_t* const* rows, c10::BFloat16* const* outs, const int64_t* pos,
+          int num_rows, int64_t first_word) {
+        attend(rows, pos, num_rows, paired.keys.data() + first_word,
+               paired.values.data() + first_word, fscale, outs);
+      },
+      [] { amx::configure_tiles(); }, [] { amx::release_tiles(); });
+  return out;
+#else
+  return torch::Tensor();
+#endif
 }
 
 void register_prefill_attention(pybind11::module& m) {
@@ -431,6 +540,10 @@ void register_prefill_attention(pybind11::module& m) {
         "causal prefill attention of one chunk over a paged KV cache (CPU, float32 q, a float32 or bfloat16 cache)");
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
         "the same on bf16 q in bf16 products, bf16 out (bf16_dot: AVX512-BF16's dot product)");
+  m.def("paged_prefill_attention_amx", &paged_prefill_attention_amx,
+        "the same on AMX tiles (where amx_supported())");
+  m.def("amx_supported", &amx_supported,
+        "whether this build and CPU run the AMX attention (and Linux granted the tile state)");
   m.def("bf16_dot_supported", &bf16_dot_supported,
         "whether this build and CPU multiply bf16 pairs natively (AVX512-BF16)");
   m.attr("prefill_head_dims") = std::vector<int64_t>{2 * kLanes, 4 * kLanes, 8 * kLanes};
