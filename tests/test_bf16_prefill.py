@@ -155,6 +155,31 @@ def test_weights_are_packed_once_in_bf16(tiny_checkpoint, monkeypatch):
     assert torch.backends.mkldnn.matmul.fp32_precision == setting
 
 
+def test_norms_hand_a_bf16_step_on_in_bf16_without_changing_a_bit(tiny_checkpoint, monkeypatch):
+    """In a bf16 step each decoder layer's norms give the matmul after them bf16 (the fused
+    kernel rounds the float32 norm once) rather than float32 that the matmul rounds: the
+    same bits either way, so the prefill's logits are identical with and without it."""
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    path = tiny_checkpoint("llama")  # every row computed both times: no prefix cache
+    llm = LLM(str(path), matmul_precision="bf16", enable_prefix_caching=False, **SMALL_KV)
+    layers = llm.engine.core.runner.model.model.local_layers
+    assert all(layer.bf16_into_attention and layer.bf16_into_mlp for layer in layers)
+    handed = []  # the dtype of each matmul's input
+    forward = Linear.forward
+    monkeypatch.setattr(
+        Linear, "forward", lambda self, x: forward(self, handed.append(x.dtype) or x)
+    )
+    fused = prefill_logits(llm, PROMPTS[3])
+    assert len(PROMPTS[3]) >= BF16_MIN_ROWS
+    # float32 in: the first layer's (its input norm adds no bf16 delta) and the head's
+    assert handed.count(torch.float32) == 2 and len(handed) == 4 * len(layers) + 1
+    for layer in layers:
+        layer.bf16_into_attention = layer.bf16_into_mlp = False
+    handed.clear()
+    assert torch.equal(prefill_logits(llm, PROMPTS[3]), fused)
+    assert handed.count(torch.float32) == 2 * len(layers) + 1
+
+
 def test_an_exact_engine_beside_a_bf16_one_stays_exact(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     model, expected = hf_reference(path, "llama")

@@ -297,6 +297,26 @@ def test_add_rms_norm_adds_in_place_and_normalizes(kernels):
     torch.testing.assert_close(residual, untouched)
 
 
+@pytest.mark.parametrize("width", [576, 37])
+def test_add_rms_norm_widens_a_bf16_delta_and_rounds_a_bf16_norm_once(kernels, width):
+    """A bf16 step's norm: a bf16 delta (a bf16 matmul's output) is added exactly as its
+    float32 widening would be, and `bf16_out` gives the float32 norm rounded to bf16 as
+    torch rounds it, bit for bit (widths that are not whole vectors included)."""
+    torch.manual_seed(width)
+    residual, w = torch.randn(7, width), torch.randn(width)
+    delta = torch.randn(7, 2 * width).bfloat16()[:, :width]  # strided rows
+    widened, fused = residual.clone(), residual.clone()
+    expected = kernels.add_rms_norm(widened, delta.float(), w, 1e-5)
+    out = kernels.add_rms_norm(fused, delta, w, 1e-5, True)
+    assert out.dtype == torch.bfloat16 and torch.equal(fused, widened)
+    assert torch.equal(out, expected.bfloat16())
+    assert torch.equal(kernels.add_rms_norm(residual.clone(), delta, w, 1e-5), expected)
+    with pytest.raises(RuntimeError, match="float32 or bf16 delta"):
+        kernels.add_rms_norm(residual, delta.half(), w, 1e-5)
+    with pytest.raises(RuntimeError, match="delta rows"):
+        kernels.add_rms_norm(residual, delta[:3], w, 1e-5)
+
+
 def test_rotary_rotates_strided_heads_in_place(kernels):
     qkv = torch.randn(7, 10, 32)  # q and k heads are the first 8 of every token's 10
     cos, sin = torch.randn(7, 32), torch.randn(7, 32)

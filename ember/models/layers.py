@@ -45,8 +45,17 @@ class RMSNorm(nn.Module):
         self.weight = new_param(hidden_size)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, low_out=False):
+        """`low_out`: where x comes in bf16 to a float32 residual (a bf16 step: a bf16
+        matmul's output), the norm goes out in bf16 too, for the bf16 matmul next: on CPU
+        the fused kernel widens x, adds, normalizes in float32 and rounds once, exactly the
+        float32 norm rounded as that matmul would round it, without two conversions."""
         if residual is not None and x.dtype != residual.dtype:
+            kernels = cpu_kernels_for(residual) if x.dim() == 2 else None
+            fused = kernels is not None and x.dtype == torch.bfloat16
+            if fused and self.weight.dtype == torch.float32:
+                out = kernels.add_rms_norm(residual, x, self.weight, self.eps, low_out)
+                return out, residual
             x = x.to(residual.dtype)  # a bf16 matmul's output joins the fp32 residual stream
         kernels = cpu_kernels_for(x) if x.dim() == 2 else None
         if residual is None:

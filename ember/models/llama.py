@@ -75,9 +75,9 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden)
-        attn_dtype = qkv.dtype  # bf16 in a bf16 prefill step on CPU, where hidden is fp32
-        # q/k norm, rotary and the KV cache in the residual stream's dtype
-        qkv = qkv.to(hidden.dtype).view(num_tokens, num_qk_heads + self.num_kv_heads, -1)
+        attn_dtype = qkv.dtype  # bf16 in a bf16 prefill step on CPU, where the residual is fp32
+        # q/k norm, rotary and the KV cache in the residual stream's dtype, rotary's tables'
+        qkv = qkv.to(cos_sin[0].dtype).view(num_tokens, num_qk_heads + self.num_kv_heads, -1)
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]
         if self.qk_norm:
             qk = torch.cat(
@@ -122,15 +122,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = moe_or_dense_mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # in a bf16 step, the norms hand these their input in bf16 (their first op is a
+        # bf16 matmul; MLA's and the experts' router are not)
+        self.bf16_into_attention = isinstance(self.self_attn, LlamaAttention)
+        self.bf16_into_mlp = isinstance(self.mlp, LlamaMLP)
 
     def forward(self, hidden, residual, kv_cache, meta, cos_sin):
         """Returns (this layer's MLP output, the residual stream before adding it)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, self.bf16_into_attention)
         hidden = self.self_attn(hidden, kv_cache, meta, cos_sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, self.bf16_into_mlp)
         return self.mlp(hidden), residual
 
 

@@ -13,7 +13,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps);
+                           torch::Tensor weight, double eps, bool bf16_out);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
@@ -101,8 +101,8 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
   // the four matmuls' limits: they differ in int8_max_rows (by their blocks' format)
   const auto limits = [&](int i) { return Limits{packed_min_rows, block_max_rows, int8_max_rows[i]}; };
   const int64_t num_seqs = hidden.size(0), head_dim = cos.size(1);
-  auto x = first ? add_rms_norm(residual, c10::nullopt, weights[0], eps)
-                 : add_rms_norm(residual, hidden, weights[0], eps);
+  auto x = first ? add_rms_norm(residual, c10::nullopt, weights[0], eps, false)
+                 : add_rms_norm(residual, hidden, weights[0], eps, false);
   auto qkv = linear(x, weights[2], packed[0], blocks[0], qkv_bias, limits(0))
                  .view({num_seqs, num_heads + 2 * num_kv_heads, head_dim});
   rotary_(qkv.narrow(1, 0, num_heads + num_kv_heads), cos, sin);
@@ -113,7 +113,7 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
   auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], blocks[1],
                   c10::nullopt, limits(1));
   if (!reduce.is_none()) reduce(o);
-  x = add_rms_norm(residual, o, weights[1], eps);
+  x = add_rms_norm(residual, o, weights[1], eps, false);
   auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits(2)));
   auto down = linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits(3));
   if (!reduce.is_none()) reduce(down);

@@ -18,37 +18,77 @@ void check_float_rows(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// residual += delta (when given), then returns rms_norm(residual) * weight, like
-// transformers' `hidden = residual + delta; norm(hidden)` in float32.
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps) {
-  check_float_rows(residual, "add_rms_norm");
-  const int64_t rows = residual.size(0), dim = residual.size(1);
-  auto out = torch::empty({rows, dim}, residual.options());
-  float* res = residual.data_ptr<float>();
-  const float* add = delta.has_value() ? delta->data_ptr<float>() : nullptr;
-  const int64_t add_stride = delta.has_value() ? delta->stride(0) : 0;
-  TORCH_CHECK(!delta.has_value() || delta->stride(1) == 1, "add_rms_norm: delta rows");
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t res_stride = residual.stride(0);
+namespace {
+
+// residual rows += delta rows (float32 or bf16, widened exactly), when given; then
+// out = weight * (residual * inv_rms), float32 or rounded once to bf16 (nearest even, as
+// torch's .to(torch.bfloat16) rounds): each float32 value computed as the float32 norm
+// computes it, so a bf16 out equals that norm's output rounded.
+template <class D, class O>
+void add_rms_norm_rows(float* res, int64_t res_stride, const D* add, int64_t add_stride,
+                       const float* w, O* o, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* x = res + r * res_stride;
       if (add) {
-        const float* d = add + r * add_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) x[i] += d[i];
+        const D* d = add + r * add_stride;
+        int64_t i = 0;
+        for (; i + simd::kLanes <= dim; i += simd::kLanes)
+          simd::store(x + i, simd::add(simd::load(x + i), simd::load(d + i)));
+        for (; i < dim; ++i) x[i] += static_cast<float>(d[i]);
       }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
-      const float inv = 1.f / std::sqrt(sum / dim + static_cast<float>(eps));
-      float* y = o + r * dim;
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * (x[i] * inv);
+      const float inv = 1.f / std::sqrt(sum / dim + eps);
+      O* y = o + r * dim;
+      const simd::vf vinv = simd::set1(inv);
+      int64_t i = 0;
+      for (; i + simd::kLanes <= dim; i += simd::kLanes)
+        simd::store(y + i, simd::mul(simd::load(w + i), simd::mul(simd::load(x + i), vinv)));
+      for (; i < dim; ++i) y[i] = static_cast<O>(w[i] * (x[i] * inv));
     }
   });
+}
+
+}  // namespace
+
+// residual += delta (when given), then returns rms_norm(residual) * weight, like
+// transformers' `hidden = residual + delta; norm(hidden)` in float32. The residual is
+// float32; delta float32 or bf16 (a bf16 matmul's output); `bf16_out` returns the norm
+// rounded to bf16 (for a bf16 matmul next), else float32.
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta,
+                           torch::Tensor weight, double eps, bool bf16_out) {
+  check_float_rows(residual, "add_rms_norm");
+  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() &&
+                  weight.numel() == residual.size(1),
+              "add_rms_norm: a float32 weight per column");
+  const int64_t rows = residual.size(0), dim = residual.size(1);
+  auto out = torch::empty({rows, dim}, residual.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  const bool bf16_delta = delta.has_value() && delta->dtype() == torch::kBFloat16;
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->dtype() == torch::kFloat32 || bf16_delta, "add_rms_norm: float32 or bf16 delta");
+    TORCH_CHECK(delta->dim() == 2 && delta->size(0) == rows && delta->size(1) == dim &&
+                    delta->stride(1) == 1,
+                "add_rms_norm: delta rows");
+  }
+  float* res = residual.data_ptr<float>();
+  const int64_t res_stride = residual.stride(0), add_stride = delta.has_value() ? delta->stride(0) : 0;
+  const float* w = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  auto run = [&](auto* add) {
+    if (bf16_out) {
+      add_rms_norm_rows(res, res_stride, add, add_stride, w,
+                        reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()), rows, dim, e);
+    } else {
+      add_rms_norm_rows(res, res_stride, add, add_stride, w, out.data_ptr<float>(), rows, dim, e);
+    }
+  };
+  if (bf16_delta) {
+    run(reinterpret_cast<const c10::BFloat16*>(delta->data_ptr<at::BFloat16>()));
+  } else {
+    run(delta.has_value() ? static_cast<const float*>(delta->data_ptr<float>()) : nullptr);
+  }
   return out;
 }
 
@@ -157,7 +197,9 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
 }
 
 void register_layer_kernels(pybind11::module& m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight",
+        py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
+        py::arg("bf16_out") = false);
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "store k, v at cache slots");
