@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from ember import LLM, SamplingParams
 from ember.cli import build_parser
 from ember.config import EngineConfig
+from ember.engine.kernels import cpu_kernels
 from ember.models.layers import BF16_MIN_ROWS, BLOCK_GEMM_MAX_ROWS, Linear, cpu_has_bf16
 
 NEW_TOKENS = 16
@@ -155,26 +156,43 @@ def test_weights_are_packed_once_in_bf16(tiny_checkpoint, monkeypatch):
     assert torch.backends.mkldnn.matmul.fp32_precision == setting
 
 
-def test_norms_hand_a_bf16_step_on_in_bf16_without_changing_a_bit(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_bf16_steps_fused_conversions_change_no_bit(tiny_checkpoint, arch, monkeypatch):
     """In a bf16 step each decoder layer's norms give the matmul after them bf16 (the fused
-    kernel rounds the float32 norm once) rather than float32 that the matmul rounds: the
-    same bits either way, so the prefill's logits are identical with and without it."""
+    kernel rounds the float32 norm once) rather than float32 that the matmul rounds, and
+    the bf16 qkv is split and rotated by one kernel (q rounded back to bf16) rather than
+    widened whole (not under Qwen3's q/k norm): the same bits either way, so the prefill's
+    logits are identical with and without them."""
     monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
-    path = tiny_checkpoint("llama")  # every row computed both times: no prefix cache
+    path = tiny_checkpoint(arch)  # every row computed both times: no prefix cache
     llm = LLM(str(path), matmul_precision="bf16", enable_prefix_caching=False, **SMALL_KV)
     layers = llm.engine.core.runner.model.model.local_layers
     assert all(layer.bf16_into_attention and layer.bf16_into_mlp for layer in layers)
-    handed = []  # the dtype of each matmul's input
+    assert all(layer.self_attn.fused_split == (arch != "qwen3") for layer in layers)
+    handed, splits = [], []  # the dtype of each matmul's input; the fused splits
     forward = Linear.forward
     monkeypatch.setattr(
         Linear, "forward", lambda self, x: forward(self, handed.append(x.dtype) or x)
     )
+    kernels = cpu_kernels()
+    split = kernels.rotary_split_bf16
+
+    class Counted:
+        def __getattr__(self, name):
+            return (
+                (lambda *a: splits.append(1) or split(*a))
+                if name == "rotary_split_bf16"
+                else getattr(kernels, name)
+            )
+
+    monkeypatch.setattr("ember.models.llama.cpu_kernels_for", lambda x: Counted())
     fused = prefill_logits(llm, PROMPTS[3])
     assert len(PROMPTS[3]) >= BF16_MIN_ROWS
     # float32 in: the first layer's (its input norm adds no bf16 delta) and the head's
     assert handed.count(torch.float32) == 2 and len(handed) == 4 * len(layers) + 1
+    assert len(splits) == (len(layers) if arch != "qwen3" else 0)
     for layer in layers:
-        layer.bf16_into_attention = layer.bf16_into_mlp = False
+        layer.bf16_into_attention = layer.bf16_into_mlp = layer.self_attn.fused_split = False
     handed.clear()
     assert torch.equal(prefill_logits(llm, PROMPTS[3]), fused)
     assert handed.count(torch.float32) == 2 * len(layers) + 1

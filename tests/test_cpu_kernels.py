@@ -317,6 +317,31 @@ def test_add_rms_norm_widens_a_bf16_delta_and_rounds_a_bf16_norm_once(kernels, w
         kernels.add_rms_norm(residual, delta[:3], w, 1e-5)
 
 
+def test_rotary_split_bf16_is_widening_rotating_and_rounding_q(kernels):
+    """A bf16 qkv split in one pass: q, k and v exactly as widening the whole qkv to
+    float32, rotary_ on q and k, and rounding q back to bf16 give them (odd widths and
+    strided rows included); bad shapes are refused."""
+    heads, kv_heads = 3, 1
+    for dim in (64, 10):
+        tokens = 5
+        wide = torch.randn(tokens, (heads + 2 * kv_heads) * dim + 6).bfloat16()
+        qkv = wide[:, : (heads + 2 * kv_heads) * dim]
+        cos, sin = torch.randn(tokens, dim), torch.randn(tokens, dim)
+        q, k, v = kernels.rotary_split_bf16(qkv, cos, sin, heads, kv_heads)
+        widened = qkv.float().view(tokens, heads + 2 * kv_heads, dim)
+        kernels.rotary_(widened[:, : heads + kv_heads], cos, sin)
+        assert q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.float32
+        assert torch.equal(q, widened[:, :heads].bfloat16())
+        assert torch.equal(k, widened[:, heads : heads + kv_heads])
+        assert torch.equal(v, widened[:, heads + kv_heads :])
+    with pytest.raises(RuntimeError, match="head counts"):
+        kernels.rotary_split_bf16(qkv, cos, sin, 4, 1)
+    with pytest.raises(RuntimeError, match="cos, sin"):
+        kernels.rotary_split_bf16(qkv, cos[:2], sin[:2], heads, kv_heads)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.rotary_split_bf16(qkv.float(), cos, sin, heads, kv_heads)
+
+
 def test_rotary_rotates_strided_heads_in_place(kernels):
     qkv = torch.randn(7, 10, 32)  # q and k heads are the first 8 of every token's 10
     cos, sin = torch.randn(7, 32), torch.randn(7, 32)

@@ -30,6 +30,7 @@ from ember.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    cpu_kernels_for,
     silu_and_mul,
 )
 from ember.models.moe import Experts, ExpertTensors, SparseMoE
@@ -68,6 +69,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        # a bf16 step's qkv split and rotated by one kernel on CPU (no q/k norm between)
+        self.fused_split = not config.qk_norm
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
@@ -77,7 +80,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         attn_dtype = qkv.dtype  # bf16 in a bf16 prefill step on CPU, where the residual is fp32
         # q/k norm, rotary and the KV cache in the residual stream's dtype, rotary's tables'
-        qkv = qkv.to(cos_sin[0].dtype).view(num_tokens, num_qk_heads + self.num_kv_heads, -1)
+        stream = cos_sin[0].dtype
+        kernels = cpu_kernels_for(cos_sin[0]) if self.fused_split else None
+        if kernels is not None and attn_dtype == torch.bfloat16 and qkv.dim() == 2:
+            # widened, rotated and q rounded back in one pass (the same values)
+            q, k, v = kernels.rotary_split_bf16(qkv, *cos_sin, self.num_heads, self.num_kv_heads)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        qkv = qkv.to(stream).view(num_tokens, num_qk_heads + self.num_kv_heads, -1)
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]
         if self.qk_norm:
             qk = torch.cat(

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <vector>
 
 #include "cache_types.h"
 #include "simd.h"
@@ -92,6 +93,21 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
   return out;
 }
 
+namespace {
+
+// rotate-half rotary embedding of one head's float32 values in place, with the token's
+// cos / sin rows: the one definition both entry points below use, so they round alike
+inline void rotate_head(float* v, const float* ct, const float* st, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * ct[i] - b * st[i];
+    v[i + half] = b * ct[i + half] + a * st[i + half];
+  }
+}
+
+}  // namespace
+
 // In place, rotate-half rotary embedding of x [T, heads, D] (token rows may be strided,
 // heads and dims contiguous) with cos/sin [T, D].
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
@@ -104,20 +120,66 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const float* sp = s.data_ptr<float>();
   const int64_t stride = x.stride(0);
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head(base + t * stride + h * dim, cp + t * dim, sp + t * dim, half);
+  });
+}
+
+// A bf16 step's fused q/k/v [T, (H + 2 Hkv) D] (a bf16 matmul's output) split and rotated
+// in one pass: q [T, H, D] rotated and rounded back to bf16 (for bf16 attention), k rotated
+// and v as they are, in float32 [T, Hkv, D] (for the cache): what widening qkv, rotary_ on
+// q and k, and rounding q give, without the whole widened copy.
+std::vector<torch::Tensor> rotary_split_bf16(torch::Tensor qkv, torch::Tensor cos,
+                                             torch::Tensor sin, int64_t num_heads,
+                                             int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dtype() == torch::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "rotary_split_bf16: bf16 [T, (H + 2 Hkv) D] with contiguous rows");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && qkv.size(1) % (num_heads + 2 * num_kv_heads) == 0,
+              "rotary_split_bf16: head counts");
+  const int64_t tokens = qkv.size(0), dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
+  TORCH_CHECK(dim % 2 == 0 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32 &&
+                  cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(),
+              "rotary_split_bf16: float32 cos, sin [T, D]");
+  auto c = cos.contiguous(), s = sin.contiguous();
+  auto q = torch::empty({tokens, num_heads, dim}, qkv.options());
+  auto k = torch::empty({tokens, num_kv_heads, dim}, qkv.options().dtype(torch::kFloat32));
+  auto v = torch::empty_like(k);
+  const auto* in = reinterpret_cast<const c10::BFloat16*>(qkv.data_ptr<at::BFloat16>());
+  auto* qp = reinterpret_cast<c10::BFloat16*>(q.data_ptr<at::BFloat16>());
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  const int64_t in_stride = qkv.stride(0), q_width = num_heads * dim, kv_width = num_kv_heads * dim;
+  auto widen = [](const c10::BFloat16* from, float* to, int64_t n) {
+    int64_t i = 0;
+    for (; i + simd::kLanes <= n; i += simd::kLanes) simd::store(to + i, simd::load(from + i));
+    for (; i < n; ++i) to[i] = static_cast<float>(from[i]);
+  };
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim);
     for (int64_t t = begin; t < end; ++t) {
+      const c10::BFloat16* src = in + t * in_stride;
       const float* ct = cp + t * dim;
       const float* st = sp + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = base + t * stride + h * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * ct[i] - b * st[i];
-          v[i + half] = b * ct[i + half] + a * st[i + half];
-        }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        widen(src + h * dim, row.data(), dim);
+        rotate_head(row.data(), ct, st, dim / 2);
+        c10::BFloat16* out = qp + t * q_width + h * dim;
+        int64_t i = 0;
+        for (; i + simd::kLanes <= dim; i += simd::kLanes) simd::store(out + i, simd::load(row.data() + i));
+        for (; i < dim; ++i) out[i] = c10::BFloat16(row[i]);
       }
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        float* key = kp + t * kv_width + h * dim;
+        widen(src + q_width + h * dim, key, dim);
+        rotate_head(key, ct, st, dim / 2);
+      }
+      widen(src + q_width + kv_width, vp + t * kv_width, kv_width);
     }
   });
+  return {q, k, v};
 }
 
 // silu(gate) * up for gate_up [T, 2I] -> [T, I], float32 or bf16 (out in the same dtype,
@@ -201,6 +263,8 @@ void register_layer_kernels(pybind11::module& m) {
         py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
         py::arg("bf16_out") = false);
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding");
+  m.def("rotary_split_bf16", &rotary_split_bf16,
+        "a bf16 qkv split and rotated: q in bf16, k and v in float32");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "store k, v at cache slots");
 }
