@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_models import PROMPTS, SMALL_KV, hf_reference, prefill_logits, token_ids
 from transformers import AutoModelForCausalLM
 
@@ -196,6 +197,36 @@ def test_a_bf16_steps_fused_conversions_change_no_bit(tiny_checkpoint, arch, mon
     handed.clear()
     assert torch.equal(prefill_logits(llm, PROMPTS[3]), fused)
     assert handed.count(torch.float32) == 2 * len(layers) + 1
+
+
+def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):
+    """On a CPU with AMX (forced here) a bf16 matmul with out_features <= 1024 from
+    in_features >= 1024 runs its rows split across the threads, ranges of 64+ rows;
+    others, and the same shape without AMX, run whole. Either way the result is the
+    matmul's."""
+    from ember.models import layers
+
+    calls = []
+    for amx in (True, False):
+        monkeypatch.setattr(layers, "cpu_has_amx", lambda amx=amx: amx)
+        for out_features, in_features in ((96, 1024), (96, 512), (1100, 1024)):
+            linear = Linear(in_features, out_features)
+            linear.weight.data = torch.randn(out_features, in_features) / 32
+            linear.pack_for_cpu(bf16_prefill=True)
+            split = amx and out_features <= 1024 and in_features >= 1024
+            assert (linear.split_rows is not None) == split
+            if split:
+                kernel = linear.split_rows
+                linear.split_rows = lambda *a, k=kernel: calls.append(a[-1]) or k(*a)
+            for rows in (16, 200):
+                x = torch.randn(rows, in_features)
+                expected = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float())
+                with torch.inference_mode():
+                    y = linear(x)
+                assert y.dtype == torch.bfloat16
+                torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
+    threads = torch.get_num_threads()
+    assert calls == ([min(threads, 3)] if threads > 1 else [])  # 200 rows: 3 ranges at most
 
 
 def test_an_exact_engine_beside_a_bf16_one_stays_exact(tiny_checkpoint):

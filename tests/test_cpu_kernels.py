@@ -342,6 +342,32 @@ def test_rotary_split_bf16_is_widening_rotating_and_rounding_q(kernels):
         kernels.rotary_split_bf16(qkv.float(), cos, sin, heads, kv_heads)
 
 
+@pytest.mark.parametrize("rows, parts", [(233, 2), (64, 3), (5, 8)])
+def test_linear_split_rows_is_the_matmul_of_each_row_range(kernels, rows, parts):
+    """oneDNN's packed bf16 matmul run on row ranges at once, a thread each: each range
+    exactly what the matmul gives for those rows alone, in order, bias included (more
+    parts than rows: a row each)."""
+    torch.manual_seed(rows)
+    w, bias = torch.randn(40, 96).bfloat16(), torch.randn(40).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    x = torch.randn(rows, 96).bfloat16()
+    out = kernels.linear_split_rows(x, packed, bias, parts)
+    parts = min(parts, rows)
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    expected = torch.cat(
+        [
+            torch.ops.mkldnn._linear_pointwise(x[a:b], packed, bias, "none", [], "")
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+    )
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(
+        out.float(), F.linear(x.float(), w.float(), bias.float()), atol=0.1, rtol=0.02
+    )
+    with pytest.raises(RuntimeError, match="parts >= 1"):
+        kernels.linear_split_rows(x, packed, None, 0)
+
+
 def test_rotary_rotates_strided_heads_in_place(kernels):
     qkv = torch.randn(7, 10, 32)  # q and k heads are the first 8 of every token's 10
     cos, sin = torch.randn(7, 32), torch.randn(7, 32)

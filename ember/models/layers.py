@@ -110,6 +110,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.small_gemm = None  # ember's kernel for 1-8 rows, when it applies
         self.bf16_prefill = False  # rows >= BF16_MIN_ROWS: bf16 x, bf16 `packed`, bf16 y
+        # ember's kernel running the bf16 packed matmul on row ranges at once (split_apply)
+        self.split_rows = None
         # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]; a fused
         # W whose parts came in different formats keeps each part's blocks (`block_parts`,
         # in order along out_features) and multiplies them one by one
@@ -147,6 +149,10 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def _packed_linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_rows is not None:
+            parts = min(torch.get_num_threads(), x.shape[0] // SPLIT_MIN_PART_ROWS)
+            if parts > 1:
+                return self.split_rows(x, self.packed, self.bias, parts)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _mixed_linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +219,8 @@ class Linear(nn.Module):
         )  # in bf16 mode the only packed copy: no fp32 one is kept
         del source
         out_features, in_features = self.weight.shape
+        split = bf16_prefill and kernels is not None and split_apply(out_features, in_features)
+        self.split_rows = kernels.linear_split_rows if split else None
         small = kernels is not None and kernels.small_gemm_supported(1, in_features, out_features)
         if small and not only_blocks:
             self.small_gemm = kernels.small_gemm
@@ -392,6 +400,20 @@ def _cpu_flags() -> set[str]:
             return set(f.read().split())
     except OSError:
         return set()
+
+
+# On a CPU with AMX, oneDNN runs a bf16 matmul with a narrow output from a wide input on
+# one thread at prefill sizes (SmolLM2's down_proj, 1,536 -> 576: 512 rows as fast on two
+# threads as on one); ember's kernel then runs row ranges of at least this many rows at
+# once, one thread each: 1.5-2.1x faster from 233 rows to 1,024 (docs/benchmarks.md). A
+# square 576 x 576 matmul gained at 512 rows and lost at 233 and 1,024: left whole.
+SPLIT_MIN_PART_ROWS = 64
+SPLIT_MAX_OUT, SPLIT_MIN_IN = 1024, 1024
+
+
+def split_apply(out_features: int, in_features: int) -> bool:
+    """Whether a bf16 packed matmul of this shape runs split by rows (split_rows)."""
+    return out_features <= SPLIT_MAX_OUT and in_features >= SPLIT_MIN_IN and cpu_has_amx()
 
 
 def cpu_has_amx() -> bool:

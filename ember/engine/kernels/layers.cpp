@@ -3,8 +3,11 @@
 // cost more in dispatch than in math.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <exception>
 #include <type_traits>
 #include <vector>
 
@@ -273,6 +276,42 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
   });
 }
 
+// oneDNN's packed-weight matmul (torch's mkldnn::_linear_pointwise) on `parts` row ranges
+// of x at once, one range per thread, each call single-threaded inside the parallel
+// region; the results concatenated in order. For shapes whose whole call oneDNN runs on
+// one thread: on an AMX Xeon, a 576-wide output from 1,536 inputs at 512 rows took as
+// long on two threads as on one, and 1.6x less split in two (docs/benchmarks.md). Each
+// range is what the matmul gives for those rows alone (the same bits as calling it on them).
+torch::Tensor linear_split_rows(torch::Tensor x, torch::Tensor packed,
+                                c10::optional<torch::Tensor> bias, int64_t parts) {
+  TORCH_CHECK(x.dim() == 2 && parts >= 1, "linear_split_rows: 2-D x, parts >= 1");
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                               const std::optional<torch::Tensor>&, c10::string_view,
+                               c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+  const int64_t rows = x.size(0);
+  parts = std::max<int64_t>(1, std::min(parts, rows));
+  std::vector<torch::Tensor> outs(parts);
+  const at::ThreadLocalState state;  // inference mode and the rest, in every thread
+  std::exception_ptr failure;
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int64_t i = 0; i < parts; ++i) {
+    try {
+      at::ThreadLocalStateGuard guard(state);
+      const int64_t begin = rows * i / parts, end = rows * (i + 1) / parts;
+      outs[i] = op.call(x.narrow(0, begin, end - begin), packed, bias, "none",
+                        c10::List<std::optional<c10::Scalar>>(), "");
+    } catch (...) {
+#pragma omp critical
+      failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+  return torch::cat(outs);
+}
+
 void register_layer_kernels(pybind11::module& m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight",
         py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
@@ -281,5 +320,7 @@ void register_layer_kernels(pybind11::module& m) {
   m.def("rotary_split_bf16", &rotary_split_bf16,
         "a bf16 qkv split and rotated: q in bf16, k and v in float32");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("linear_split_rows", &linear_split_rows,
+        "oneDNN's packed matmul on row ranges at once, a thread each");
   m.def("write_kv", &write_kv, "store k, v at cache slots");
 }
