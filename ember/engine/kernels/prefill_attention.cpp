@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "cache_types.h"
@@ -419,7 +420,9 @@ namespace {
 // Every KV head's keys and values as bf16 pairs (pair_keys_values), key_tiles tiles a head
 // (past the context: zero)
 struct PairedCache {
-  std::vector<uint32_t> keys, values;
+  std::unique_ptr<uint32_t[]> words;  // uninitialized: pair_keys_values writes every word
+  uint32_t* keys;
+  uint32_t* values;
   int64_t head_words;  // a KV head's words in either
 };
 
@@ -427,9 +430,11 @@ PairedCache pair_cache(const Chunk& c, const torch::Tensor& key_cache,
                        const torch::Tensor& value_cache, int64_t context_len,
                        int64_t key_tiles, const char* name) {
   const int64_t tile_words = c.head_dim / 2 * kLanes;  // a key tile, and a value tile
-  PairedCache paired{{}, {}, key_tiles * tile_words};
-  paired.keys.resize(c.num_kv_heads * paired.head_words);
-  paired.values.resize(paired.keys.size());
+  const int64_t words = c.num_kv_heads * key_tiles * tile_words;
+  PairedCache paired{std::unique_ptr<uint32_t[]>(new uint32_t[2 * words]), nullptr, nullptr,
+                     key_tiles * tile_words};
+  paired.keys = paired.words.get();
+  paired.values = paired.keys + words;
   with_cache_type(key_cache, value_cache, name, [&](auto element) {
     using T = decltype(element);
     const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
@@ -439,8 +444,7 @@ PairedCache pair_cache(const Chunk& c, const torch::Tensor& key_cache,
         const int64_t head = work / key_tiles, tile = work % key_tiles;
         pair_keys_values(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, c.table_ptr,
                          context_len, c.block_size, c.token_stride, c.head_dim, tile,
-                         paired.keys.data() + work * tile_words,
-                         paired.values.data() + work * tile_words);
+                         paired.keys + work * tile_words, paired.values + work * tile_words);
       }
     });
   });
@@ -497,8 +501,8 @@ torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_ca
                               for (int r = 0; r < kRows; ++r)
                                 pairs[r] = reinterpret_cast<const uint32_t*>(rows[r]);
                               attend(pairs, pos, num_rows,
-                                     paired.keys.data() + first_word,
-                                     paired.values.data() + first_word, fscale, outs);
+                                     paired.keys + first_word,
+                                     paired.values + first_word, fscale, outs);
                             });
   return out;
 }
@@ -525,8 +529,8 @@ torch::Tensor paged_prefill_attention_amx(torch::Tensor q, torch::Tensor key_cac
       c, q, out, paired.head_words,
       [&](const uint16_t* const* rows, c10::BFloat16* const* outs, const int64_t* pos,
           int num_rows, int64_t first_word) {
-        attend(rows, pos, num_rows, paired.keys.data() + first_word,
-               paired.values.data() + first_word, fscale, outs);
+        attend(rows, pos, num_rows, paired.keys + first_word,
+               paired.values + first_word, fscale, outs);
       },
       [] { amx::configure_tiles(); }, [] { amx::release_tiles(); });
   return out;
