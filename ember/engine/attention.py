@@ -180,7 +180,7 @@ class CPUPagedBackend(TorchSDPABackend):
     copy of every context, which at 64 sequences costs more than the matmuls): decodes in
     one batched call, prefill chunks one by one, causal without a mask. A bf16 prefill
     chunk (a bf16 step) attends in bf16 products: on AMX tiles where `amx` (the CPU has
-    them and Linux grants them: 2-2.8x torch's bf16 SDPA, docs/benchmarks.md), else on the
+    them and Linux grants them: 1.8-2.7x torch's bf16 SDPA, docs/benchmarks.md), else on the
     CPU's bf16 dot product where `bf16_dot` (AVX512-BF16: 1.4-1.7x the fp32 kernel's
     speed), and through torch's bf16 SDPA from AMX_SDPA_MIN_ROWS rows where `bf16_sdpa` but
     not `amx` (torch's oneDNN attention on the tiles); head sizes the prefill kernels have
