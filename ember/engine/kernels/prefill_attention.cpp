@@ -517,6 +517,7 @@ torch::Tensor paged_prefill_attention_amx(torch::Tensor q, torch::Tensor key_cac
   const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
                               torch::kBFloat16, name);
   TORCH_CHECK(amx_supported(), name, ": this CPU or build has no AMX tiles");
+  TORCH_CHECK(scale > 0, name, ": scale must be positive");
 #if EMBER_BF16_DOT
   using amx::kBlockTiles;
   const auto attend = amx::rows_for(c.head_dim);

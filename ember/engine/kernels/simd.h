@@ -52,13 +52,11 @@ inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf exp(vf v) { return Sleef_expf16_u10(v); }
 inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
-// e^x for x <= 0 (0 below -88, -inf included), inline (this build only): 2^(x log2 e) as 2^n times a degree-7
-// polynomial in the fraction (within 3e-7 of e^x relatively, against the 4e-3 that the
-// bf16 weights round to; x log2 e rounds to 6e-8 of itself, which for x down to -87, where
-// e^x is 1e-38, is 5e-6 of the result). Sleef's exp, called per vector, was a fifth of
-// the AMX attention's time (prefill_amx_tile.inc); bf16 silu_and_mul takes it too.
-inline vf exp_nonpositive(vf x) {
-  const vf t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504f));
+// 2^t for t <= 0 (a rounding above 0 too; 0 below -126, -inf and NaN included), inline
+// (this build only): 2^n times a degree-7 polynomial in the fraction, within 3e-7 of 2^t
+// relatively, against the 4e-3 that bf16 weights round to. Sleef's exp, called per
+// vector, was a fifth of the AMX attention's time (prefill_amx_tile.inc).
+inline vf exp2_nonpositive(vf t) {
   const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // in ln 2 / 2
   vf p = _mm512_set1_ps(1.f / 5040);
@@ -69,9 +67,12 @@ inline vf exp_nonpositive(vf x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __mmask16 in_range = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.f), _CMP_GE_OQ);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
   return _mm512_maskz_mov_ps(in_range, _mm512_scalef_ps(p, n));
 }
+// e^x for x <= 0 (0 below -87), as 2^(x log2 e): x log2 e rounds to 6e-8 of itself, which
+// for x down to -87 (e^x 1e-38) is 5e-6 of the result. bf16 silu_and_mul takes it.
+inline vf exp_nonpositive(vf x) { return exp2_nonpositive(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f))); }
 
 // kLanes pairs of bf16, a pair per 32-bit lane (the low half first), and each half
 // widened to float32
