@@ -57,6 +57,26 @@ def test_the_cost_model_follows_a_machine_that_slows_down():
             assert model.predict_ms(shape) == pytest.approx(true_ms(shape, scale), rel=0.05)
 
 
+def test_a_long_run_of_decode_steps_does_not_erase_what_prefill_steps_taught():
+    """Decode-only steps say nothing about prefill: after a thousand of them the model
+    still predicts a prefill step as the mixed steps before taught it (fading every
+    coefficient at every step brought the prior's 2 ms a token back), while the decode
+    rows' cost still follows the box."""
+    rng = random.Random(2)
+    model = StepCostModel()
+    for _ in range(300):
+        shape = random_shape(rng)
+        model.observe(shape, true_ms(shape))
+    for _ in range(1000):  # a long decode phase, the box now 1.5x slower
+        shape = StepShape(0, rng.randrange(1, 32), 0.0)
+        model.observe(shape, true_ms(shape, 1.5))
+    prefill = StepShape(192, 0, StepShape.chunk_pairs(560, 192))
+    assert model.predict_ms(prefill) == pytest.approx(true_ms(prefill), rel=0.5)
+    assert model.predict_ms(prefill) < 0.2 * StepCostModel().predict_ms(prefill)
+    decodes = StepShape(0, 16, 0.0)
+    assert model.predict_ms(decodes) == pytest.approx(true_ms(decodes, 1.5), rel=0.05)
+
+
 def test_the_prior_holds_what_the_steps_have_not_shown_and_costs_never_go_negative():
     model = StepCostModel()
     for _ in range(100):  # decode-only steps: nothing about prefill yet

@@ -10,8 +10,9 @@ Life cycle: the engine core makes one `StepCostModel` per engine (so per model a
 device); the scheduler asks `max_prefill_tokens` before it plans a step that has decodes
 to keep fast; the core times the step and calls `observe(shape, ms)`. The fit is
 least squares over exponentially fading sums (recent steps count most, so the model
-follows a box whose speed changes). The prior enters as `prior_weight` typical steps
-seen before the first, fading like the rest, plus a faint lasting pull: where the steps
+follows a box whose speed changes; only steps with prefill fade the others, see
+`StepCostModel.observe`). The prior enters as `prior_weight` typical steps
+seen before the first, fading at every step seen, plus a faint lasting pull: where the steps
 seen say nothing about a coefficient (no prefill yet, say) the prior holds it, so the
 first steps are planned with the prior's (conservative) costs. Coefficients are clamped
 to be >= 0, so predictions never fall as work is added.
@@ -69,7 +70,7 @@ class FadingLeastSquares:
     """y ~= x . coefficients, fitted by least squares over exponentially fading sums (each
     observation's weight is multiplied by `decay` at every later one), coefficients
     clamped to >= 0. The prior enters as `prior_weight` observations of size `typical`
-    per feature, fading like the rest, plus a faint lasting pull that holds coefficients
+    per feature, fading at every observation, plus a faint lasting pull that holds coefficients
     the observations say nothing about."""
 
     def __init__(
@@ -80,8 +81,9 @@ class FadingLeastSquares:
         self.prior = np.asarray(prior, dtype=float)
         self.decay = decay
         ridge = np.diag(prior_weight * np.asarray(typical, dtype=float) ** 2)
-        self._xx = ridge.copy()  # faded sums of x x^T and x y, the prior's included
-        self._xy = ridge @ self.prior
+        n = len(self.prior)
+        self._xx, self._xy = np.zeros((n, n)), np.zeros(n)  # faded sums of x x^T and x y
+        self._ridge = ridge  # the prior's observations, faded at every one seen
         self._lasting = 1e-3 * ridge
         self.coefficients = self.prior.copy()
         self.num_observed = 0
@@ -89,14 +91,18 @@ class FadingLeastSquares:
     def predict(self, x: np.ndarray) -> float:
         return float(x @ self.coefficients)
 
-    def observe(self, x: np.ndarray, y: float) -> None:
-        """Learns from one observation (a negative or non-finite y is ignored)."""
+    def observe(self, x: np.ndarray, y: float, fade: bool = True) -> None:
+        """Learns from one observation (a negative or non-finite y is ignored); `fade`:
+        whether the earlier ones fade by `decay` first (the prior's fade either way)."""
         if not np.isfinite(y) or y < 0:
             return
-        self._xx = self.decay * self._xx + np.outer(x, x)
-        self._xy = self.decay * self._xy + x * y
-        a = self._xx + self._lasting
-        b = self._xy + self._lasting @ self.prior
+        decay = self.decay if fade else 1.0
+        self._xx = decay * self._xx + np.outer(x, x)
+        self._xy = decay * self._xy + x * y
+        self._ridge = self.decay * self._ridge
+        pull = self._ridge + self._lasting
+        a = self._xx + pull
+        b = self._xy + pull @ self.prior
         self.coefficients = np.maximum(np.linalg.solve(a, b), 0.0)
         self.num_observed += 1
 
@@ -124,8 +130,15 @@ class StepCostModel:
         return self.fit.predict(shape.features())
 
     def observe(self, shape: StepShape, measured_ms: float) -> None:
-        """Learns from one step's measured time (negative or non-finite times are ignored)."""
-        self.fit.observe(shape.features(), measured_ms)
+        """Learns from one step's measured time (negative or non-finite times are ignored).
+
+        Only steps with prefill tokens fade the earlier ones: a decode-only step says
+        nothing about prefill, and when every step faded the rest, a few hundred decode
+        steps forgot all that prefill steps had taught, and the prior's 2 ms a prefill
+        token came back (measured in agent sessions: a 192-token chunk predicted at 249
+        ms took 80, and turns were cut into smaller chunks for it). Within a decode-only
+        stretch the decode costs are averaged instead."""
+        self.fit.observe(shape.features(), measured_ms, fade=shape.num_prefill_tokens > 0)
 
     def max_prefill_tokens(
         self, num_decode_rows: int, num_computed: int, max_ms: float, limit: int
