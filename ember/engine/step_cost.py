@@ -68,7 +68,7 @@ _TYPICAL = np.array([1.0, 256.0, 8.0, 64.0])
 
 class FadingLeastSquares:
     """y ~= x . coefficients, fitted by least squares over exponentially fading sums (each
-    observation's weight is multiplied by `decay` at every later one), coefficients
+    observation's weight is multiplied by `decay` at every later one that fades), coefficients
     clamped to >= 0. The prior enters as `prior_weight` observations of size `typical`
     per feature, fading at every observation, plus a faint lasting pull that holds coefficients
     the observations say nothing about."""
