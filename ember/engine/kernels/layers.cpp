@@ -99,6 +99,16 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
 
 namespace {
 
+// n values from src to dst: float32 as they are, bf16 widened (exactly) to float32, or
+// float32 rounded to bf16 (nearest even, as torch's .to(torch.bfloat16) rounds)
+inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+template <class From, class To>
+inline void store_row(const From* src, To* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + simd::kLanes <= n; i += simd::kLanes) simd::store(dst + i, simd::load(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<To>(static_cast<float>(src[i]));
+}
+
 // rotate-half rotary embedding of one head's float32 values in place, with the token's
 // cos / sin rows: the one definition both entry points below use, so they round alike
 inline void rotate_head(float* v, const float* ct, const float* st, int64_t half) {
@@ -156,11 +166,6 @@ std::vector<torch::Tensor> rotary_split_bf16(torch::Tensor qkv, torch::Tensor co
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
   const int64_t in_stride = qkv.stride(0), q_width = num_heads * dim, kv_width = num_kv_heads * dim;
-  auto widen = [](const c10::BFloat16* from, float* to, int64_t n) {
-    int64_t i = 0;
-    for (; i + simd::kLanes <= n; i += simd::kLanes) simd::store(to + i, simd::load(from + i));
-    for (; i < n; ++i) to[i] = static_cast<float>(from[i]);
-  };
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -168,19 +173,16 @@ std::vector<torch::Tensor> rotary_split_bf16(torch::Tensor qkv, torch::Tensor co
       const float* ct = cp + t * dim;
       const float* st = sp + t * dim;
       for (int64_t h = 0; h < num_heads; ++h) {
-        widen(src + h * dim, row.data(), dim);
+        store_row(src + h * dim, row.data(), dim);
         rotate_head(row.data(), ct, st, dim / 2);
-        c10::BFloat16* out = qp + t * q_width + h * dim;
-        int64_t i = 0;
-        for (; i + simd::kLanes <= dim; i += simd::kLanes) simd::store(out + i, simd::load(row.data() + i));
-        for (; i < dim; ++i) out[i] = c10::BFloat16(row[i]);
+        store_row(row.data(), qp + t * q_width + h * dim, dim);
       }
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         float* key = kp + t * kv_width + h * dim;
-        widen(src + q_width + h * dim, key, dim);
+        store_row(src + q_width + h * dim, key, dim);
         rotate_head(key, ct, st, dim / 2);
       }
-      widen(src + q_width + kv_width, vp + t * kv_width, kv_width);
+      store_row(src + q_width + kv_width, vp + t * kv_width, kv_width);
     }
   });
   return {q, k, v};
@@ -244,15 +246,6 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // Stores k and v [T, Hkv, D] (token rows may be strided) at flat slots of the caches
 // [num_blocks, block_size, Hkv, D]: float32 as they are, or rounded to bfloat16 (nearest
 // even, as torch's .to(torch.bfloat16) rounds).
-namespace {
-inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
-inline void store_row(const float* src, c10::BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + simd::kLanes <= n; i += simd::kLanes) simd::store(dst + i, simd::load(src + i));
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
-}
-}  // namespace
-
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slots) {
   TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32, "write_kv: float32 k, v");
