@@ -509,6 +509,38 @@ def test_bf16_prefill_attention_is_attention_on_bf16_operands(
             torch.testing.assert_close(tiles, out, atol=bound / 2, rtol=2**-7)
 
 
+@pytest.mark.parametrize("tokens, context", [(40, 600), (200, 700), (7, 390), (130, 130)])
+@pytest.mark.parametrize("fall", [False, True])
+def test_amx_prefill_attention_follows_scores_that_climb_and_fall(tokens, context, fall, kernels):
+    """The AMX kernel moves a row's running maximum only where a score passes it by more
+    than 2^8 in weight. Keys that climb along the context (positive queries, so every
+    block of 128 keys outscores the last: rescaled sums, and climbs within that slack)
+    while the keys after each row's position score highest of all (they must weigh
+    nothing), or climb and then fall far below (weights under 2^-126): within the bf16
+    bound of attention on the rounded operands, as on plain random data."""
+    if not kernels.amx_supported():
+        pytest.skip("this CPU or build has no AMX tiles")
+    torch.manual_seed(context + fall)
+    block_size, num_kv_heads = 16, 2
+    for head_dim in kernels.prefill_head_dims:
+        q, key_cache, value_cache, table, keys, values = paged_chunk(
+            tokens, context, block_size, 3, num_kv_heads, head_dim
+        )
+        q = q.abs().mul(0.5).bfloat16()
+        ramp = torch.linspace(0, 8, context)
+        if fall:
+            ramp[int(context * 0.7) :] = -30.0
+        keys = keys + ramp[:, None, None]
+        slots = table[torch.arange(context) // block_size] * block_size
+        slots = slots + torch.arange(context) % block_size
+        key_cache.view(-1, num_kv_heads, head_dim)[slots] = keys
+        scale = head_dim**-0.5
+        tiles = kernels.paged_prefill_attention_amx(q, key_cache, value_cache, table, context, scale)
+        expected = bf16_operand_reference(q.float(), keys, values, context, scale)
+        bound = values.abs().max().item() * 2**-8
+        assert (tiles.double() - expected).abs().max().item() < bound
+
+
 def test_bf16_prefill_attention_refuses_a_dot_product_it_lacks_and_float32_q(kernels):
     key_cache = torch.zeros(4, 16, 1, kernels.prefill_head_dims[0])
     q = torch.zeros(3, 1, kernels.prefill_head_dims[0], dtype=torch.bfloat16)

@@ -272,6 +272,35 @@ bool bf16_dot_supported() {
 #endif
 }
 
+#if defined(__AVX512F__)
+// r[i] holds row i of a 16 x 16 matrix of 32-bit words; on return, column i
+inline void transpose_words(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4a + c], 128-bit lane k: rows 4a..4a+3 of column 4k + c
+  __m512i u[16];
+  for (int a = 0; a < 16; a += 4) {
+    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i ab_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i ab_high = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i cd_low = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i cd_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(ab_low, cd_low, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(ab_low, cd_low, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(ab_high, cd_high, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(ab_high, cd_high, 0xDD);
+  }
+}
+#endif
+
 // keys_p[tile][d / 2][lane]: key (tile * kLanes + lane), dimensions d and d + 1, as a bf16
 // pair; values_p[tile][j][x]: tokens (tile * kLanes + 2j) and the next one, value entry x.
 // Past the context both are zero.
@@ -283,7 +312,24 @@ void pair_keys_values(const T* keys, const T* values, const int64_t* table,
   auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
   alignas(64) c10::BFloat16 row[8 * kLanes];  // one key in bf16: its pairs, in order
   const uint32_t* row_pairs = reinterpret_cast<const uint32_t*>(row);
-  for (int lane = 0; lane < kLanes; ++lane) {
+  int scalar_lanes = kLanes;  // the keys paired one by one below
+#if defined(__AVX512F__)
+  if (first + kLanes <= context_len) {  // a whole tile: each 32 dimensions of its 16 keys
+    for (int64_t g = 0; g < head_dim; g += 32) {  // as 16 x 16 words, transposed
+      __m512i words[kLanes];
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const T* key = keys + slot(first + lane) + g;
+        const __m256i low = _mm512_cvtepi32_epi16(simd::round_bf16(simd::load(key)));
+        const __m256i high = _mm512_cvtepi32_epi16(simd::round_bf16(simd::load(key + kLanes)));
+        words[lane] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+      }
+      transpose_words(words);
+      for (int d = 0; d < kLanes; ++d) _mm512_storeu_si512(keys_p + (g / 2 + d) * kLanes, words[d]);
+    }
+    scalar_lanes = 0;
+  }
+#endif
+  for (int lane = 0; lane < scalar_lanes; ++lane) {
     const int64_t t = first + lane;
     if (t >= context_len) {
       for (int64_t d = 0; d < half_dim; ++d) keys_p[d * kLanes + lane] = 0;
