@@ -535,7 +535,9 @@ def test_amx_prefill_attention_follows_scores_that_climb_and_fall(tokens, contex
         slots = slots + torch.arange(context) % block_size
         key_cache.view(-1, num_kv_heads, head_dim)[slots] = keys
         scale = head_dim**-0.5
-        tiles = kernels.paged_prefill_attention_amx(q, key_cache, value_cache, table, context, scale)
+        tiles = kernels.paged_prefill_attention_amx(
+            q, key_cache, value_cache, table, context, scale
+        )
         expected = bf16_operand_reference(q.float(), keys, values, context, scale)
         bound = values.abs().max().item() * 2**-8
         assert (tiles.double() - expected).abs().max().item() < bound
