@@ -92,6 +92,31 @@ def test_the_prior_holds_what_the_steps_have_not_shown_and_costs_never_go_negati
     assert model.predict_ms(StepShape(256, 4, 16.0)) >= model.predict_ms(StepShape(64, 4, 1.0))
 
 
+def test_a_fresh_model_lets_prefill_take_the_whole_chunk_after_a_few_steps():
+    """A box 10x faster per prefill token than the prior: after one whole-chunk step and
+    a few capped mixed steps (4 decodes, a chunk after 1,000 cached tokens, a 250 ms
+    budget), the model lets the whole chunk in (true: 122 ms). Fitted without the
+    constraint and then clamped (base came out negative), the caps stayed at 183-216
+    tokens for thirty steps, each taking about 60 ms of the 250."""
+    box = StepCoefficients(base=8.0, per_prefill_token=0.2, per_decode_row=1.5, per_attention=0.01)
+
+    def took(shape: StepShape) -> float:
+        return float(shape.features() @ box.as_array())
+
+    model = StepCostModel()
+    first = StepShape(512, 0, StepShape.chunk_pairs(0, 512))
+    model.observe(first, took(first))
+    caps = []
+    for _ in range(6):
+        cap = model.max_prefill_tokens(4, 1000, 250.0, 508)
+        shape = StepShape(cap, 4, StepShape.chunk_pairs(1000, cap))
+        assert took(shape) < 250.0
+        model.observe(shape, took(shape))
+        caps.append(cap)
+    assert caps[-1] == 508 and took(StepShape(508, 4, StepShape.chunk_pairs(1000, 508))) < 125
+    assert caps == sorted(caps)
+
+
 def test_max_prefill_tokens_is_the_largest_chunk_predicted_to_fit():
     model = StepCostModel(prior=TRUE)
     for decodes, start, max_ms in [(4, 0, 20.0), (16, 900, 40.0), (1, 3000, 100.0)]:
