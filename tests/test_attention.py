@@ -116,7 +116,8 @@ def test_a_bf16_cache_reads_as_a_float32_cache_of_the_same_values(isa):
     """Every kernel that reads the cache widens a bf16 one exactly: its results are those
     over a float32 cache holding the same values, bit for bit, on every build (decodes on
     each head path, prefill chunks in float32 and in bf16 products); write_kv rounds to
-    bf16 as torch does (nearest even, a NaN stays a NaN)."""
+    bf16 as torch does (nearest even, a NaN stays a NaN). A bf16 cache's keys and values
+    go into the bf16 kernels' pair layout as they are, a float32 one's rounded first."""
     kernels = cpu_kernels(isa)
     if kernels is None:
         pytest.skip(f"the {isa} kernels could not be built here")
@@ -145,6 +146,12 @@ def test_a_bf16_cache_reads_as_a_float32_cache_of_the_same_values(isa):
             assert torch.equal(
                 kernels.paged_prefill_attention_bf16(chunk.bfloat16(), *low, *args),
                 kernels.paged_prefill_attention_bf16(chunk.bfloat16(), *wide, *args),
+            )
+        if kernels.amx_supported():
+            args = (tables[2], 150, 0.125)
+            assert torch.equal(
+                kernels.paged_prefill_attention_amx(chunk.bfloat16(), *low, *args),
+                kernels.paged_prefill_attention_amx(chunk.bfloat16(), *wide, *args),
             )
     k, v = torch.randn(7, HKV, 40) * 100, torch.randn(7, HKV, 40)
     k[0, 0, :4] = torch.tensor([float("nan"), float("inf"), 1 + 2**-8, 1 + 3 * 2**-8])  # ties

@@ -213,6 +213,35 @@ inline void round_pairs(simd::vf e, uint32_t* out) {
 #include "prefill_bf16_tile.inc"
 }  // namespace plain
 
+#if defined(__AVX512F__)
+// r[i] holds row i of a 16 x 16 matrix of 32-bit words; on return, column i
+inline void transpose_words(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4a + c], 128-bit lane k: rows 4a..4a+3 of column 4k + c
+  __m512i u[16];
+  for (int a = 0; a < 16; a += 4) {
+    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i ab_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i ab_high = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i cd_low = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i cd_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(ab_low, cd_low, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(ab_low, cd_low, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(ab_high, cd_high, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(ab_high, cd_high, 0xDD);
+  }
+}
+#endif
+
 // The bf16 tile on AVX512-BF16's dot product, two products per lane per instruction: built
 // into the AVX-512 kernels under that target, run only where the CPU has it
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
@@ -231,6 +260,42 @@ inline void round_pairs(simd::vf e, uint32_t* out) {
   std::memcpy(out, &pairs, sizeof(pairs));
 }
 #include "prefill_bf16_tile.inc"
+
+// 32 entries of a row from the cache as 16 words of bf16 pairs: a float32 cache's on
+// AVX512-BF16's conversion, two vectors rounded and packed in one instruction (nearest
+// even, as round_bf16; denormals go to zero, as the bf16 products take them anyway); a
+// bf16 cache's as they are
+inline __m512i bf16_words(const float* row) {
+  const __m512bh pairs = _mm512_cvtne2ps_pbh(simd::load(row + kLanes), simd::load(row));
+  return reinterpret_cast<const __m512i&>(pairs);
+}
+inline __m512i bf16_words(const c10::BFloat16* row) { return _mm512_loadu_si512(row); }
+
+// pair_keys_values for a tile of kLanes tokens all in the context (their offsets at
+// `slots`): the keys transposed as words, the values' token pairs interleaved
+template <typename T>
+void pair_whole_tile(const T* keys, const T* values, const int64_t* slots, int64_t head_dim,
+                     uint32_t* keys_p, uint32_t* values_p) {
+  for (int64_t g = 0; g < head_dim; g += 32) {  // 32 dimensions of 16 keys: 16 x 16 words
+    __m512i words[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) words[lane] = bf16_words(keys + slots[lane] + g);
+    transpose_words(words);
+    for (int d = 0; d < kLanes; ++d) _mm512_storeu_si512(keys_p + (g / 2 + d) * kLanes, words[d]);
+  }
+  // a word per entry: the entry of tokens 2j (low half) and 2j + 1, 32 entries at a time
+  const __m512i first_16 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i last_16 = _mm512_add_epi16(first_16, _mm512_set1_epi16(16));
+  for (int j = 0; j < kLanes / 2; ++j) {
+    const T* low = values + slots[2 * j];
+    const T* high = values + slots[2 * j + 1];
+    for (int64_t x = 0; x < head_dim; x += 32) {
+      const __m512i a = bf16_words(low + x), b = bf16_words(high + x);
+      _mm512_storeu_si512(values_p + j * head_dim + x, _mm512_permutex2var_epi16(a, first_16, b));
+      _mm512_storeu_si512(values_p + j * head_dim + x + kLanes, _mm512_permutex2var_epi16(a, last_16, b));
+    }
+  }
+}
 }  // namespace native
 #pragma GCC pop_options
 
@@ -272,34 +337,6 @@ bool bf16_dot_supported() {
 #endif
 }
 
-#if defined(__AVX512F__)
-// r[i] holds row i of a 16 x 16 matrix of 32-bit words; on return, column i
-inline void transpose_words(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // u[4a + c], 128-bit lane k: rows 4a..4a+3 of column 4k + c
-  __m512i u[16];
-  for (int a = 0; a < 16; a += 4) {
-    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
-    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
-    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
-    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i ab_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-    const __m512i ab_high = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i cd_low = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i cd_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(ab_low, cd_low, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(ab_low, cd_low, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(ab_high, cd_high, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(ab_high, cd_high, 0xDD);
-  }
-}
-#endif
 
 // keys_p[tile][d / 2][lane]: key (tile * kLanes + lane), dimensions d and d + 1, as a bf16
 // pair; values_p[tile][j][x]: tokens (tile * kLanes + 2j) and the next one, value entry x.
@@ -485,9 +522,25 @@ PairedCache pair_cache(const Chunk& c, const torch::Tensor& key_cache,
     using T = decltype(element);
     const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
     const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+#if EMBER_BF16_DOT
+    static const bool convert = bf16_dot_supported();
+#endif
     at::parallel_for(0, c.num_kv_heads * key_tiles, 16, [&](int64_t begin, int64_t end) {
       for (int64_t work = begin; work < end; ++work) {
         const int64_t head = work / key_tiles, tile = work % key_tiles;
+#if EMBER_BF16_DOT
+        if (convert && (tile + 1) * kLanes <= context_len) {
+          int64_t slots[kLanes];
+          for (int lane = 0; lane < kLanes; ++lane) {
+            const int64_t t = tile * kLanes + lane;
+            slots[lane] = (c.table_ptr[t / c.block_size] * c.block_size + t % c.block_size) * c.token_stride;
+          }
+          native::pair_whole_tile(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, slots,
+                                  c.head_dim, paired.keys + work * tile_words,
+                                  paired.values + work * tile_words);
+          continue;
+        }
+#endif
         pair_keys_values(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, c.table_ptr,
                          context_len, c.block_size, c.token_stride, c.head_dim, tile,
                          paired.keys + work * tile_words, paired.values + work * tile_words);
