@@ -2,12 +2,16 @@
 product where it has one) against torch's SDPA (fp32 and bf16).
 
     python benchmarks/prefill_attention.py [--heads 9 --kv-heads 3 --head-dim 64]
+        [--cache-dtype bfloat16]
 
 For each chunk x context shape, the kernel reads a paged cache (16-token blocks in a
 shuffled order) and SDPA a gathered copy with the chunk's causal mask, as the backends
 do; prints the largest difference from SDPA fp32 and the median time of each, per call.
 "ember bf16" is the bf16 kernel on the CPU's bf16 dot product (bf16 q and products, float32
-cache), "ember amx" the same attention on AMX tiles where the CPU has them.
+cache), "ember amx" the same attention on AMX tiles where the CPU has them. The cache is
+float32, or bf16 with --cache-dtype bfloat16 (what `kv_cache_dtype` auto picks where
+prefill runs in bf16). The last two shapes are agent turns: a few new tokens over a
+long cached context, which every call pairs again.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 
 from ember.engine.kernels import cpu_kernels
 
-SHAPES = [(512, 512), (509, 2270), (128, 1500), (16, 700)]
+SHAPES = [(512, 512), (509, 2270), (128, 1500), (16, 700), (58, 618), (16, 2016)]
 
 
 def timed(fn, repeats: int) -> float:
@@ -34,10 +38,10 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(kernels, tokens, context, heads, kv_heads, dim, repeats) -> str:
+def measure(kernels, tokens, context, heads, kv_heads, dim, repeats, cache_dtype) -> str:
     block, scale = 16, dim**-0.5
     num_blocks = -(-context // block)
-    key_cache = torch.randn(num_blocks + 4, block, kv_heads, dim)
+    key_cache = torch.randn(num_blocks + 4, block, kv_heads, dim).to(cache_dtype)
     value_cache = torch.randn_like(key_cache)
     table = torch.randperm(num_blocks + 4)[:num_blocks]
     q = torch.randn(tokens, heads, dim)
@@ -97,14 +101,26 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
+    cache_dtype = getattr(torch, args.cache_dtype)
     kernels = cpu_kernels()
-    print(f"kernels: {kernels.isa}, torch threads: {torch.get_num_threads()}")
+    print(
+        f"kernels: {kernels.isa}, torch threads: {torch.get_num_threads()}, "
+        f"cache: {args.cache_dtype}"
+    )
     torch.manual_seed(0)
     for tokens, context in SHAPES:
         print(
             measure(
-                kernels, tokens, context, args.heads, args.kv_heads, args.head_dim, args.repeats
+                kernels,
+                tokens,
+                context,
+                args.heads,
+                args.kv_heads,
+                args.head_dim,
+                args.repeats,
+                cache_dtype,
             )
         )
 

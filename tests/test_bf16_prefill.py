@@ -201,9 +201,9 @@ def test_a_bf16_steps_fused_conversions_change_no_bit(tiny_checkpoint, arch, mon
 
 def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):
     """On a CPU with AMX (forced here) a bf16 matmul with out_features <= 1024 from
-    in_features >= 1024 runs its rows split across the threads, ranges of 64+ rows;
-    others, and the same shape without AMX, run whole. Either way the result is the
-    matmul's."""
+    in_features >= 1024 runs its rows split across the threads, ranges of 112+ rows (200
+    rows: whole); others, and the same shape without AMX, run whole. Either way the
+    result is the matmul's."""
     from ember.models import layers
 
     kernels, calls = cpu_kernels(), []
@@ -218,7 +218,7 @@ def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):
             if split:
                 kernel = linear.split_rows
                 linear.split_rows = lambda *a, k=kernel: calls.append(a[-1]) or k(*a)
-            for rows in (16, 200):
+            for rows in (16, 200, 350):
                 x = torch.randn(rows, in_features)
                 expected = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float())
                 with torch.inference_mode():
@@ -226,7 +226,7 @@ def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):
                 assert y.dtype == torch.bfloat16
                 torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
     threads = torch.get_num_threads()
-    assert calls == ([min(threads, 3)] if threads > 1 else [])  # 200 rows: 3 ranges at most
+    assert calls == ([min(threads, 3)] if threads > 1 else [])  # 350 rows: 3 ranges at most
 
 
 def test_an_exact_engine_beside_a_bf16_one_stays_exact(tiny_checkpoint):

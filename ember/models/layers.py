@@ -405,9 +405,12 @@ def _cpu_flags() -> set[str]:
 # On a CPU with AMX, oneDNN runs a bf16 matmul with a narrow output from a wide input on
 # one thread at prefill sizes (SmolLM2's down_proj, 1,536 -> 576: 512 rows as fast on two
 # threads as on one); ember's kernel then runs row ranges of at least this many rows at
-# once, one thread each: 1.5-2.1x faster from 233 rows to 1,024 (docs/benchmarks.md). A
-# square 576 x 576 matmul gained at 512 rows and lost at 233 and 1,024: left whole.
-SPLIT_MIN_PART_ROWS = 64
+# once, one thread each (docs/benchmarks.md, `benchmarks/matmul_rows.py`: 224 rows 0.240
+# -> 0.180 ms, 512 rows 0.554 -> 0.355). Below 224 rows oneDNN threads it well and the
+# split loses (128 rows 0.093 against 0.135 ms), hence ranges of 112+. A square 576 x 576
+# matmul goes to one thread from 352 rows (0.144 -> 0.117 split) but not before: left
+# whole.
+SPLIT_MIN_PART_ROWS = 112
 SPLIT_MAX_OUT, SPLIT_MIN_IN = 1024, 1024
 
 
