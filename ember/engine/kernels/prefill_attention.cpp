@@ -337,7 +337,6 @@ bool bf16_dot_supported() {
 #endif
 }
 
-
 // keys_p[tile][d / 2][lane]: key (tile * kLanes + lane), dimensions d and d + 1, as a bf16
 // pair; values_p[tile][j][x]: tokens (tile * kLanes + 2j) and the next one, value entry x.
 // Past the context both are zero.
