@@ -14,17 +14,21 @@ runs them:
 Milliseconds per pass over the layers (the best of two rounds of 5). Then, per matmul of
 the first layer and row count, oneDNN's packed matmul whole against `linear_split_rows`
 on two row ranges at once (a thread each): where oneDNN runs a shape on one thread, the
-split wins (ms, the median of 200 calls).
+split wins (ms, the median of 200 calls after one).
 """
 
 from __future__ import annotations
 
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from ember import LLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_attention import timed  # noqa: E402  (the median of calls after one, in ms)
 
 
 def best_ms(fn, rounds: int = 2, repeats: int = 5) -> float:
@@ -72,9 +76,9 @@ def split_table(lins) -> None:
         cells = []
         for rows in (128, 192, 224, 256, 288, 320, 352, 384, 448, 512):
             x = torch.randn(rows, lin.weight.shape[1]).bfloat16()
-            whole = median_ms(lambda x=x, lin=lin: lin_whole(lin, x))
-            split = median_ms(
-                lambda x=x, lin=lin: kernels.linear_split_rows(x, lin.packed, None, 2)
+            whole = timed(lambda x=x, lin=lin: lin_whole(lin, x), 200)
+            split = timed(
+                lambda x=x, lin=lin: kernels.linear_split_rows(x, lin.packed, None, 2), 200
             )
             cells.append(f"{rows}: {whole:.3f} / {split:.3f}")
         print(f"{name} whole / split: " + ", ".join(cells))
@@ -82,17 +86,6 @@ def split_table(lins) -> None:
 
 def lin_whole(lin, x):
     return torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
-
-
-def median_ms(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def bf16_pass(stack, xs) -> None:

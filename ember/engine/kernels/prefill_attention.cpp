@@ -58,6 +58,12 @@ constexpr int kRows = 24, kVectorRegisters = 32;
 constexpr int kRows = 12, kVectorRegisters = 16;
 #endif
 
+// Where token t of a sequence sits in a cache [blocks, block_size, kv_heads, D] with
+// token_stride elements per token, by its block table
+inline int64_t token_offset(const int64_t* table, int64_t t, int64_t block_size, int64_t token_stride) {
+  return (table[t / block_size] * block_size + t % block_size) * token_stride;
+}
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // keys_t[tile][d][lane] = key (tile * kLanes + lane), dimension d, of one KV head; lanes
@@ -73,7 +79,7 @@ void transpose_keys(const T* keys, const int64_t* table, int64_t context_len,
       for (int64_t d = 0; d < head_dim; ++d) out[d * kLanes + lane] = 0.f;
       continue;
     }
-    const T* key = keys + (table[t / block_size] * block_size + t % block_size) * token_stride;
+    const T* key = keys + token_offset(table, t, block_size, token_stride);
     for (int64_t d = 0; d < head_dim; ++d) out[d * kLanes + lane] = static_cast<float>(key[d]);
   }
 }
@@ -138,7 +144,7 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
     }
     for (int64_t i = 0; i < span; ++i) {
       const int64_t t = start + i;
-      value_ptr[i] = values + (table[t / block_size] * block_size + t % block_size) * token_stride;
+      value_ptr[i] = values + token_offset(table, t, block_size, token_stride);
     }
 
     // online softmax: scores become weights against each row's running maximum
@@ -240,6 +246,19 @@ inline void transpose_words(__m512i r[16]) {
     r[12 + c] = _mm512_shuffle_i32x4(ab_high, cd_high, 0xDD);
   }
 }
+
+// A whole tile's keys into pair_keys_values' layout: each 32 dimensions of its 16 keys as
+// 16 x 16 words (words(lane, g): key `lane`'s dimensions g..g+31 as 16 bf16 pairs),
+// transposed
+template <class Words>
+inline void pair_key_tile(Words words, int64_t head_dim, uint32_t* keys_p) {
+  for (int64_t g = 0; g < head_dim; g += 32) {
+    __m512i rows[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) rows[lane] = words(lane, g);
+    transpose_words(rows);
+    for (int d = 0; d < kLanes; ++d) _mm512_storeu_si512(keys_p + (g / 2 + d) * kLanes, rows[d]);
+  }
+}
 #endif
 
 // The bf16 tile on AVX512-BF16's dot product, two products per lane per instruction: built
@@ -271,24 +290,24 @@ inline __m512i bf16_words(const float* row) {
 }
 inline __m512i bf16_words(const c10::BFloat16* row) { return _mm512_loadu_si512(row); }
 
-// pair_keys_values for a tile of kLanes tokens all in the context (their offsets at
-// `slots`): the keys transposed as words, the values' token pairs interleaved
+// pair_keys_values for a tile of kLanes tokens all in the context: the keys transposed as
+// words, the values' token pairs interleaved
 template <typename T>
-void pair_whole_tile(const T* keys, const T* values, const int64_t* slots, int64_t head_dim,
-                     uint32_t* keys_p, uint32_t* values_p) {
-  for (int64_t g = 0; g < head_dim; g += 32) {  // 32 dimensions of 16 keys: 16 x 16 words
-    __m512i words[kLanes];
-    for (int lane = 0; lane < kLanes; ++lane) words[lane] = bf16_words(keys + slots[lane] + g);
-    transpose_words(words);
-    for (int d = 0; d < kLanes; ++d) _mm512_storeu_si512(keys_p + (g / 2 + d) * kLanes, words[d]);
-  }
+void pair_whole_tile(const T* keys, const T* values, const int64_t* table, int64_t block_size,
+                     int64_t token_stride, int64_t head_dim, int64_t tile, uint32_t* keys_p,
+                     uint32_t* values_p) {
+  int64_t offsets[kLanes];
+  for (int lane = 0; lane < kLanes; ++lane)
+    offsets[lane] = token_offset(table, tile * kLanes + lane, block_size, token_stride);
+  pair_key_tile([&](int lane, int64_t g) { return bf16_words(keys + offsets[lane] + g); },
+                head_dim, keys_p);
   // a word per entry: the entry of tokens 2j (low half) and 2j + 1, 32 entries at a time
   const __m512i first_16 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i last_16 = _mm512_add_epi16(first_16, _mm512_set1_epi16(16));
   for (int j = 0; j < kLanes / 2; ++j) {
-    const T* low = values + slots[2 * j];
-    const T* high = values + slots[2 * j + 1];
+    const T* low = values + offsets[2 * j];
+    const T* high = values + offsets[2 * j + 1];
     for (int64_t x = 0; x < head_dim; x += 32) {
       const __m512i a = bf16_words(low + x), b = bf16_words(high + x);
       _mm512_storeu_si512(values_p + j * head_dim + x, _mm512_permutex2var_epi16(a, first_16, b));
@@ -345,23 +364,20 @@ void pair_keys_values(const T* keys, const T* values, const int64_t* table,
                       int64_t context_len, int64_t block_size, int64_t token_stride,
                       int64_t head_dim, int64_t tile, uint32_t* keys_p, uint32_t* values_p) {
   const int64_t first = tile * kLanes, half_dim = head_dim / 2;
-  auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
+  auto slot = [&](int64_t t) { return token_offset(table, t, block_size, token_stride); };
   alignas(64) c10::BFloat16 row[8 * kLanes];  // one key in bf16: its pairs, in order
   const uint32_t* row_pairs = reinterpret_cast<const uint32_t*>(row);
   int scalar_lanes = kLanes;  // the keys paired one by one below
 #if defined(__AVX512F__)
-  if (first + kLanes <= context_len) {  // a whole tile: each 32 dimensions of its 16 keys
-    for (int64_t g = 0; g < head_dim; g += 32) {  // as 16 x 16 words, transposed
-      __m512i words[kLanes];
-      for (int lane = 0; lane < kLanes; ++lane) {
-        const T* key = keys + slot(first + lane) + g;
-        const __m256i low = _mm512_cvtepi32_epi16(simd::round_bf16(simd::load(key)));
-        const __m256i high = _mm512_cvtepi32_epi16(simd::round_bf16(simd::load(key + kLanes)));
-        words[lane] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-      }
-      transpose_words(words);
-      for (int d = 0; d < kLanes; ++d) _mm512_storeu_si512(keys_p + (g / 2 + d) * kLanes, words[d]);
-    }
+  if (first + kLanes <= context_len) {  // a whole tile: transposed (pair_key_tile)
+    pair_key_tile(
+        [&](int lane, int64_t g) {
+          const T* key = keys + slot(first + lane) + g;
+          const __m256i low = _mm512_cvtepi32_epi16(simd::round_bf16(simd::load(key)));
+          const __m256i high = _mm512_cvtepi32_epi16(simd::round_bf16(simd::load(key + kLanes)));
+          return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+        },
+        head_dim, keys_p);
     scalar_lanes = 0;
   }
 #endif
@@ -529,14 +545,9 @@ PairedCache pair_cache(const Chunk& c, const torch::Tensor& key_cache,
         const int64_t head = work / key_tiles, tile = work % key_tiles;
 #if EMBER_BF16_DOT
         if (convert && (tile + 1) * kLanes <= context_len) {
-          int64_t slots[kLanes];
-          for (int lane = 0; lane < kLanes; ++lane) {
-            const int64_t t = tile * kLanes + lane;
-            slots[lane] = (c.table_ptr[t / c.block_size] * c.block_size + t % c.block_size) * c.token_stride;
-          }
-          native::pair_whole_tile(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim, slots,
-                                  c.head_dim, paired.keys + work * tile_words,
-                                  paired.values + work * tile_words);
+          native::pair_whole_tile(k_ptr + head * c.head_dim, v_ptr + head * c.head_dim,
+                                  c.table_ptr, c.block_size, c.token_stride, c.head_dim, tile,
+                                  paired.keys + work * tile_words, paired.values + work * tile_words);
           continue;
         }
 #endif
