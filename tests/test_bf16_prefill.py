@@ -226,7 +226,36 @@ def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):
                 assert y.dtype == torch.bfloat16
                 torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
     threads = torch.get_num_threads()
-    assert calls == ([min(threads, 3)] if threads > 1 else [])  # 350 rows: 3 ranges at most
+    assert calls == ([threads] if threads == 2 else [])  # 350 rows: 2 ranges on 2 threads
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_the_row_split_runs_on_two_threads_and_never_on_more(monkeypatch, threads):
+    """On more than two threads oneDNN threads the narrow-from-wide shape itself, and the
+    split into ranges of a thread each loses at every row count (a 16-core AMX Xeon:
+    docs/benchmarks.md): 512 rows go in 2 ranges on 2 threads, whole on 4."""
+    from ember.models import layers
+
+    if cpu_kernels() is None:
+        pytest.skip("no ember CPU kernels on this machine")
+    monkeypatch.setattr(layers, "cpu_has_amx", lambda: True)
+    linear = Linear(1024, 96)
+    linear.weight.data = torch.randn(96, 1024) / 32
+    linear.pack_for_cpu(bf16_prefill=True)
+    calls = []
+    kernel = linear.split_rows
+    linear.split_rows = lambda *a: calls.append(a[-1]) or kernel(*a)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(512, 1024)
+        with torch.inference_mode():
+            y = linear(x)
+    finally:
+        torch.set_num_threads(before)
+    expected = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float())
+    torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
+    assert calls == ([2] if threads == 2 else [])
 
 
 def test_an_exact_engine_beside_a_bf16_one_stays_exact(tiny_checkpoint):

@@ -149,8 +149,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def _packed_linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_rows is not None:
-            parts = min(torch.get_num_threads(), x.shape[0] // SPLIT_MIN_PART_ROWS)
+        threads = torch.get_num_threads()
+        if self.split_rows is not None and threads <= SPLIT_MAX_THREADS:
+            parts = min(threads, x.shape[0] // SPLIT_MIN_PART_ROWS)
             if parts > 1:
                 return self.split_rows(x, self.packed, self.bias, parts)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -409,8 +410,13 @@ def _cpu_flags() -> set[str]:
 # -> 0.180 ms, 512 rows 0.554 -> 0.355). Below 224 rows oneDNN threads it well and the
 # split loses (128 rows 0.093 against 0.135 ms), hence ranges of 112+. A square 576 x 576
 # matmul goes to one thread from 352 rows (0.144 -> 0.117 split) but not before: left
-# whole.
+# whole. With more threads oneDNN threads the shape itself and the split loses at every
+# row count: on a 16-core AMX Xeon (`benchmarks/split_threads.py`), down_proj at 512 rows
+# whole / split took 0.34 / 1.08 ms on 8 threads and 0.28 / 1.22 ms on 16, and a whole
+# 512-token prefill 55-82 ms whole against 108-117 split. So it splits on two threads
+# (or one, where there is nothing to split), never more.
 SPLIT_MIN_PART_ROWS = 112
+SPLIT_MAX_THREADS = 2
 SPLIT_MAX_OUT, SPLIT_MIN_IN = 1024, 1024
 
 
