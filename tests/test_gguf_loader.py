@@ -519,6 +519,80 @@ def test_drafts_of_few_sequences_verify_on_the_blocks_as_their_decodes_run(
     assert spec.engine.core.stats().spec_decode["num_accepted_tokens"] > 40
 
 
+def test_drafts_verify_on_int8_tiles_as_their_decodes_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every_draft
+) -> None:
+    """Under bf16 with int8 decode activations every matmul of a Q4_1 file multiplies int8
+    tiles, which have no fp32 product: 4 sequences with 5 drafts each (24 rows, run as
+    their decodes) multiply on the tiles at every row count. (Rows past 16 went to the fp32
+    block GEMM, which refuses tiles: the step failed.) The tokens are those of decoding
+    without drafts. (Logprobs may differ in the last bits: this file's head, 300 rows,
+    is not tiled and multiplies one row on int8 and more on fp32.)"""
+    from test_speculative import Oracle
+
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES["llama-Q4_1"])
+    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    options = dict(kv_cache_memory=1 << 24, matmul_precision="bf16", decode_activations="int8")
+    want = LLM(str(path), **options).generate(prompts, params)
+    reference = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want, strict=True)}
+    spec = LLM(str(path), **options, speculative_method="ngram", num_speculative_tokens=5)
+    assert spec.engine.core.runner.model.model.fused_decode.tiled
+    spec.engine.core.speculator.proposer = Oracle(reference)
+    got = spec.generate(prompts, params)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert spec.engine.core.stats().spec_decode["num_accepted_tokens"] > 40
+    assert spec.engine.core.kv_cache.num_free_blocks == spec.engine.core.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_1", "llama-k-quants"])
+def test_decode_batches_past_16_stay_on_int8_tiles_under_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Under bf16, decode-only steps of 16 to DECODE_TILE_MAX_ROWS sequences run the fused
+    decode layer on the int8 tiles where every matmul has them, as steps of fewer do (on
+    SmolLM2 they stream 60 MB of tiles a step against 213 MB of bf16 copies: a step of 16
+    sequences took 29-31 ms in bf16, 18-19 ms on the tiles). A file with K-quant matmuls,
+    which are not tiled, still decodes 16 and more in bf16, as do fp32 decode activations."""
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+    from ember.models.layers import BF16_MIN_ROWS, DECODE_TILE_MAX_ROWS
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES[case])
+    prompts = [[(5 * i + j) % (VOCAB - 3) + 3 for i in range(4 + j % 3)] for j in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for activations in ("int8", "fp32"):
+        llm = LLM(str(path), kv_cache_memory=1 << 24, matmul_precision="bf16",
+                  decode_activations=activations)  # fmt: skip
+        model = llm.engine.core.runner.model.model
+        on_tiles = activations == "int8" and case == "llama-Q4_1"
+        assert model.fused_decode.tiled == on_tiles
+        limit = DECODE_TILE_MAX_ROWS if on_tiles else BF16_MIN_ROWS - 1
+        assert model.fused_decode_max_rows == limit
+        fused, rows = model.fused_decode, []
+        model.fused_decode = lambda hidden, *rest, f=fused, r=rows: (
+            r.append(len(hidden)) or f(hidden, *rest)
+        )
+        outputs = llm.generate(prompts, params)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [6] * len(prompts)
+        assert (len(prompts) in rows) == on_tiles  # the decode-only steps of all 20
+        if on_tiles:  # tiles have no fp32 product: every row count multiplies on int8
+            assert all(n == 1 << 30 for layer in fused.layers for n in layer.int8_max_rows)
+        assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks
+
+
 def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -529,7 +603,7 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
     decode layers too, and give the fp32 run's greedy tokens on this model (no near-ties)."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels
-    from ember.models.layers import Linear, int8_rows
+    from ember.models.layers import Linear, int8_rows, tiled
 
     kernels = cpu_kernels()
     if kernels is None:
@@ -556,7 +630,10 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
         for layer, fused in zip(model.model.layers, model.model.fused_decode.layers, strict=True):
             matmuls = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj)  # fmt: skip
-            assert fused.int8_max_rows == [m.int8_max_rows for m in matmuls]
+            # tiles multiply every row count the fused layer gets on int8
+            assert fused.int8_max_rows == [
+                1 << 30 if tiled(m) else m.int8_max_rows for m in matmuls
+            ]
         outputs[precision, activations] = [
             o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8]], params)
         ]

@@ -325,6 +325,12 @@ def tiles_apply(parts: list[torch.Tensor]) -> bool:
     )
 
 
+def tiled(linear: Linear) -> bool:
+    """Whether `linear` multiplies int8 tiles (tile_blocks), which take every row count."""
+    parts = linear.block_list
+    return linear.int8_gemm is not None and bool(parts) and all(p.dim() == 4 for p in parts)
+
+
 def int8_rows(parts: list[torch.Tensor]) -> int:
     """The most rows that multiply blocks in these formats faster on int8 activations
     (the fewest of the parts'; tiles take every row count, BLOCK_GEMM_MAX_ROWS; 1 for
@@ -393,6 +399,12 @@ INT8_ROWS = {18: 1, 20: 1, 34: 1, 22: 2, 24: 2, 144: 4, 176: 4, 210: 4}
 # bf16_prefill: from here on the bf16 packed copy runs 2.3x (16 rows) to 4x (64 rows)
 # faster than oneDNN's fp32 (SmolLM2's layer, 1 thread); fewer rows stay exact
 BF16_MIN_ROWS = 16
+# bf16_prefill: decode-only steps of up to this many sequences stay on the int8 tiles
+# (the fused decode layer) where every matmul has them, as steps of fewer do: they
+# stream SmolLM2's 60 MB of tiles a step where its bf16 copies are 213 MB. Measured
+# (AMX Xeon, 2 threads, ms a decode step, bf16 -> tiles): 16 sequences 29-31 -> 18-19,
+# 32: 39-42 -> 29-30, 48: 44-46 -> 40, 56: 49-50 -> 46-49, 64: 49-52 -> 55
+DECODE_TILE_MAX_ROWS = 48
 
 
 def _cpu_flags() -> set[str]:

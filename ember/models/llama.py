@@ -24,6 +24,7 @@ from ember.engine.kv_spec import KVCacheSpec
 from ember.models.layers import (
     BF16_MIN_ROWS,
     BLOCK_GEMM_MAX_ROWS,
+    DECODE_TILE_MAX_ROWS,
     PACKED_MIN_ROWS,
     Linear,
     MergedLinear,
@@ -32,6 +33,7 @@ from ember.models.layers import (
     apply_rotary,
     cpu_kernels_for,
     silu_and_mul,
+    tiled,
 )
 from ember.models.moe import Experts, ExpertTensors, SparseMoE
 from ember.models.parallel_layers import (
@@ -203,7 +205,8 @@ class LlamaModel(nn.Module):
         self.dtype = torch.get_default_dtype()
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
         self.fused_decode: FusedDecode | None = None  # set up by pack_for_cpu
-        self.fused_decode_max_rows = 1 << 30  # BF16_MIN_ROWS - 1 under bf16_prefill
+        # under bf16_prefill: BF16_MIN_ROWS - 1, or DECODE_TILE_MAX_ROWS on int8 tiles
+        self.fused_decode_max_rows = 1 << 30
         # EAGLE-3's drafter reads the residual stream before these layers (set by it)
         self.capture_layers: frozenset[int] = frozenset()
         self.captured: list[torch.Tensor] = []  # of the last forward, in layer order
@@ -270,9 +273,16 @@ class FusedDecode:
         self.shape = (attn.num_heads, attn.num_kv_heads)
         self.scale = attn.scale
         self.layers = [self._layer_args(layer) for layer in layers]
+        # every matmul on int8 tiles, which take any number of rows
+        self.tiled = all(self._matmuls(layer, tiled) for layer in layers)
         # tensor parallel: the kernel sums the o and down projections over the ranks
         group = attn.o_proj.group
         self.reduce = group.all_reduce if group.size > 1 else None
+
+    @staticmethod
+    def _matmuls(layer: LlamaDecoderLayer, test) -> bool:
+        attn, mlp = layer.self_attn, layer.mlp
+        return all(test(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
     @staticmethod
     def _layer_args(layer: LlamaDecoderLayer) -> FusedLayer:
@@ -287,7 +297,10 @@ class FusedDecode:
         # over the fp32 weight (measured, Qwen2.5-1.5B Q4_K, 4 sequences of 5 rows: ~1.7x)
         block_max_rows = BLOCK_GEMM_MAX_ROWS if packed[0] is not None else 1 << 30
         blocks = [lin.block_list if lin.block_gemm is not None else [] for lin in linears]
-        int8_max_rows = [lin.int8_max_rows for lin in linears]
+        # tiles have no fp32 product: every row count they get multiplies on int8 (the
+        # Python path gives them at most BLOCK_GEMM_MAX_ROWS, this one also decode-only
+        # steps of more sequences, or drafts' rows)
+        int8_max_rows = [1 << 30 if tiled(lin) else lin.int8_max_rows for lin in linears]
         return FusedLayer(
             weights, packed, blocks, attn.qkv_proj.bias, block_max_rows, int8_max_rows
         )
@@ -384,8 +397,13 @@ class LlamaForCausalLM(nn.Module):
         fusable = not self.config.qk_norm and self.config.moe is None
         if isinstance(backend, CPUPagedBackend) and fusable:
             self.model.fused_decode = FusedDecode(self.model, backend.kernels)
-        if bf16_prefill:  # decode batches of BF16_MIN_ROWS and more run in bf16 too
-            self.model.fused_decode_max_rows = BF16_MIN_ROWS - 1
+        if bf16_prefill:  # decode batches of BF16_MIN_ROWS and more run in bf16 too,
+            # but where every matmul has int8 tiles (up to DECODE_TILE_MAX_ROWS)
+            fused = self.model.fused_decode
+            on_tiles = fused is not None and fused.tiled
+            self.model.fused_decode_max_rows = (
+                DECODE_TILE_MAX_ROWS if on_tiles else BF16_MIN_ROWS - 1
+            )
 
     def load_gguf_blocks(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hands each matmul the raw GGUF blocks of its weight (Hugging Face names, as
