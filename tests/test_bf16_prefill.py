@@ -15,7 +15,7 @@ from ember import LLM, SamplingParams
 from ember.cli import build_parser
 from ember.config import EngineConfig
 from ember.engine.kernels import cpu_kernels
-from ember.models.layers import BF16_MIN_ROWS, BLOCK_GEMM_MAX_ROWS, Linear, cpu_has_bf16
+from ember.models.layers import BF16_MIN_ROWS, DECODE_BLOCK_MAX_ROWS, Linear, cpu_has_bf16
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -149,9 +149,9 @@ def test_weights_are_packed_once_in_bf16(tiny_checkpoint, monkeypatch):
     layers = model.fused_decode.layers
     assert all(p is None for layer in layers for p in layer.packed)
     # no fp32 packed copy to fall back on: GGUF blocks take any rows (drafts' verification)
-    assert all(layer.block_max_rows > BLOCK_GEMM_MAX_ROWS for layer in layers)
+    assert all(layer.block_max_rows > DECODE_BLOCK_MAX_ROWS for layer in layers)
     exact_layers = exact.engine.core.runner.model.model.fused_decode.layers
-    assert all(layer.block_max_rows == BLOCK_GEMM_MAX_ROWS for layer in exact_layers)
+    assert all(layer.block_max_rows == DECODE_BLOCK_MAX_ROWS for layer in exact_layers)
     assert model.fused_decode_max_rows == BF16_MIN_ROWS - 1  # larger batches: bf16
     fast.generate(PROMPTS, GREEDY)
     assert torch.backends.mkldnn.matmul.fp32_precision == setting

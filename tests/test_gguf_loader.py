@@ -343,11 +343,12 @@ def transformers_tiny_model(path: Path):
 
 @pytest.mark.parametrize("case", BLOCK_CASES)
 def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str) -> None:
-    """Greedy output, decoded from the file's blocks in batches of 1-12 sequences (the block
-    GEMM takes up to 16 rows, in passes of 8), equals transformers' on the same file."""
+    """Greedy output, decoded from the file's blocks in batches of 1-20 sequences (the block
+    GEMM takes up to 16 rows in mixed steps and DECODE_BLOCK_MAX_ROWS in decode-only ones,
+    in passes of 8), equals transformers' on the same file."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels
-    from ember.models.layers import Linear
+    from ember.models.layers import DECODE_BLOCK_MAX_ROWS, Linear
 
     if cpu_kernels() is None:
         pytest.skip("no C++ toolchain to build kernels")
@@ -363,7 +364,9 @@ def test_decode_from_gguf_blocks_matches_transformers(tmp_path: Path, case: str)
     if case == "llama-mixed":  # q, k, v: Q4_1, Q8_0, Q4_1 blocks
         qkv = linears["model.layers.0.self_attn.qkv_proj"]
         assert [part.shape[2] for part in qkv.block_parts] == [20, 34, 20]
-    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(12)]
+    fused = llm.engine.core.runner.model.model.fused_decode
+    assert all(layer.block_max_rows == DECODE_BLOCK_MAX_ROWS for layer in fused.layers)
+    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(20)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     reference = transformers_tiny_model(path)

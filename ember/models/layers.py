@@ -385,6 +385,11 @@ PACKED_MIN_ROWS = 3  # measured: 2 rows run faster on MKL, 4 on oneDNN
 # (8 rows) faster than its fp32 small GEMM, 1.5x faster than oneDNN at 16 rows, level by
 # 32 (from 8 rows on it is compute-bound, and it reads W again for every 8 rows)
 BLOCK_GEMM_MAX_ROWS = 16
+# decode-only steps (the fused decode layer) read the blocks up to this many rows where
+# a packed fp32 copy would take the rest: in the model, where both stream from memory,
+# the blocks still win past 16 (SmolLM2's Q4_1 file, ieee, 2 threads, ms a decode step,
+# oneDNN -> blocks: 17 sequences 49-50 -> 40, 24: 57-58 -> 48, 32: 66 -> 62, 48: 90 -> 88)
+DECODE_BLOCK_MAX_ROWS = 32
 SMALL_GEMM_MAX_ROWS = 8  # ember's small GEMM beats both up to here (decode batches)
 # decode_activations int8: blocks that are not tiled (the K-quants; the 32-weight formats
 # where out_features is not a multiple of 16) multiply on int8 activations up to this

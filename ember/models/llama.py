@@ -23,7 +23,7 @@ from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPaged
 from ember.engine.kv_spec import KVCacheSpec
 from ember.models.layers import (
     BF16_MIN_ROWS,
-    BLOCK_GEMM_MAX_ROWS,
+    DECODE_BLOCK_MAX_ROWS,
     DECODE_TILE_MAX_ROWS,
     PACKED_MIN_ROWS,
     Linear,
@@ -295,7 +295,7 @@ class FusedDecode:
         # without a packed fp32 copy, the blocks take any number of rows (drafts' rows of
         # up to 15 sequences): one pass over them per 8 rows streams less than MKL does
         # over the fp32 weight (measured, Qwen2.5-1.5B Q4_K, 4 sequences of 5 rows: ~1.7x)
-        block_max_rows = BLOCK_GEMM_MAX_ROWS if packed[0] is not None else 1 << 30
+        block_max_rows = DECODE_BLOCK_MAX_ROWS if packed[0] is not None else 1 << 30
         blocks = [lin.block_list if lin.block_gemm is not None else [] for lin in linears]
         # tiles have no fp32 product: every row count they get multiplies on int8 (the
         # Python path gives them at most BLOCK_GEMM_MAX_ROWS, this one also decode-only
