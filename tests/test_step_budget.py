@@ -117,6 +117,30 @@ def test_a_fresh_model_lets_prefill_take_the_whole_chunk_after_a_few_steps():
     assert caps == sorted(caps)
 
 
+def test_a_fresh_server_under_growing_load_takes_whole_chunks_within_six_steps():
+    """A freshly started server taking 32 streams (measured on the dev box: its first step,
+    158 prompt tokens alone, took 89 ms; then 0.33 ms a token, 1 ms a decode, 10 ms a
+    step), decodes growing by two a step: the sixth mixed step already takes the whole
+    512-token chunk. With the prior worth 2 typical steps the caps crept up by ~10% a
+    step (140 -> 367 tokens over eleven), each step predicted at the 250 ms budget and
+    taking under half of it."""
+
+    def took(shape: StepShape) -> float:
+        return 10.0 + 0.33 * shape.num_prefill_tokens + 1.0 * shape.num_decode_rows
+
+    model = StepCostModel()
+    model.observe(StepShape(158, 0, StepShape.chunk_pairs(0, 158)), 89.0)
+    caps = []
+    for step in range(6):
+        decodes = 1 + 2 * step
+        cap = model.max_prefill_tokens(decodes, 0, 250.0, 512)
+        shape = StepShape(cap, decodes, StepShape.chunk_pairs(0, cap))
+        assert took(shape) < 250.0
+        model.observe(shape, took(shape))
+        caps.append(cap)
+    assert caps == sorted(caps) and caps[-1] == 512
+
+
 def test_max_prefill_tokens_is_the_largest_chunk_predicted_to_fit():
     model = StepCostModel(prior=TRUE)
     for decodes, start, max_ms in [(4, 0, 20.0), (16, 900, 40.0), (1, 3000, 100.0)]:

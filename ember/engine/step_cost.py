@@ -126,11 +126,20 @@ def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
+# how many typical steps the prior is worth. At 2, a freshly started server taking 32
+# streams of random 128-token prompts capped its first dozen mixed steps at 140-392
+# tokens (each predicted at the 250 ms budget, taking 50-135 ms): the prior's 2 ms a
+# token, 5-6x this box's, faded by ~10% a step. Replayed through the fit (the steps'
+# own times): the whole 512-token chunk after 6 steps at 0.5, after 11 at 1, not in 12
+# at 2 (tests/test_step_budget.py).
+PRIOR_WEIGHT = 0.5
+
+
 class StepCostModel:
     def __init__(
         self,
         prior: StepCoefficients | None = None,
-        prior_weight: float = 2.0,
+        prior_weight: float = PRIOR_WEIGHT,
         decay: float = 0.98,
     ) -> None:
         self.fit = FadingLeastSquares(
