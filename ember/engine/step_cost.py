@@ -50,7 +50,7 @@ class StepCoefficients:
 
     The defaults are a conservative prior for a small model on a slow CPU (SmolLM2-135M in
     fp32 on 2 Xeon cores: ~50 ms a decode step, ~1.5 ms a prefill token); the engine
-    learns its own within a few dozen steps."""
+    learns its own within a few steps (the prior is worth PRIOR_WEIGHT of them)."""
 
     base: float = 60.0
     per_prefill_token: float = 2.0
