@@ -149,8 +149,8 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def _packed_linear(self, x: torch.Tensor) -> torch.Tensor:
-        threads = torch.get_num_threads()
-        if self.split_rows is not None and threads <= SPLIT_MAX_THREADS:
+        threads = torch.get_num_threads() if self.split_rows is not None else 0
+        if 1 < threads <= SPLIT_MAX_THREADS:
             parts = min(threads, x.shape[0] // SPLIT_MIN_PART_ROWS)
             if parts > 1:
                 return self.split_rows(x, self.packed, self.bias, parts)

@@ -274,20 +274,21 @@ class FusedDecode:
         self.scale = attn.scale
         self.layers = [self._layer_args(layer) for layer in layers]
         # every matmul on int8 tiles, which take any number of rows
-        self.tiled = all(self._matmuls(layer, tiled) for layer in layers)
+        self.tiled = all(tiled(m) for layer in layers for m in self._linears(layer))
         # tensor parallel: the kernel sums the o and down projections over the ranks
         group = attn.o_proj.group
         self.reduce = group.all_reduce if group.size > 1 else None
 
     @staticmethod
-    def _matmuls(layer: LlamaDecoderLayer, test) -> bool:
+    def _linears(layer: LlamaDecoderLayer) -> tuple[Linear, ...]:
+        """The layer's four matmuls, in decode_layer's order: qkv, o, gate_up, down."""
         attn, mlp = layer.self_attn, layer.mlp
-        return all(test(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     @staticmethod
     def _layer_args(layer: LlamaDecoderLayer) -> FusedLayer:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        attn = layer.self_attn
+        linears = FusedDecode._linears(layer)
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         weights = norms + [lin.weight for lin in linears]
         # a bf16 packed copy under fp32 weights is for prefill only (bf16_prefill)
