@@ -24,9 +24,10 @@ from ember.distributed.parallel import split, tp_group
 from ember.engine.attention import AttentionBackend, AttentionMetadata
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.mla import MLABackend, MLAWeights
-from ember.models.layers import Linear, RMSNorm, apply_rotary
+from ember.models.layers import Linear, RMSNorm
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from ember.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from ember.models.rotary import apply_rotary
 
 logger = logging.getLogger("ember.models")
 

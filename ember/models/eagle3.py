@@ -22,8 +22,9 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend
 from ember.engine.kv_spec import KVCacheSpec
-from ember.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, new_param
+from ember.models.layers import Linear, MergedLinear, RMSNorm, new_param
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM, load_into
+from ember.models.rotary import RotaryEmbedding
 
 
 class Eagle3DecoderLayer(LlamaDecoderLayer):

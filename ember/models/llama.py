@@ -29,8 +29,6 @@ from ember.models.layers import (
     Linear,
     MergedLinear,
     RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
     cpu_kernels_for,
     silu_and_mul,
     tiled,
@@ -43,6 +41,7 @@ from ember.models.parallel_layers import (
     column_slices,
     shard_of,
 )
+from ember.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
