@@ -8,6 +8,8 @@ weights a tiny file was written from.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 import subprocess
 import zipfile
@@ -23,7 +25,7 @@ from kquant import quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, load_gguf_checkpoint
 
-from ember.loader import default_models, gguf_loader
+from ember.loader import default_models, gguf_index, gguf_loader
 from ember.loader.checkpoint import open_checkpoint
 from ember.loader.default_models import MODEL_ALIASES, WheelModel, resolve_model
 from ember.loader.gguf_index import gguf_tokenizer
@@ -278,6 +280,41 @@ def test_cached_index_opens_the_same_checkpoint_without_parsing(
     assert weights.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(weights[name], tensor), name
+
+
+def test_a_new_index_removes_the_entries_of_files_gone_or_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache holds one entry per file in use, not one per file ever opened (the test
+    suite's temporary files had left ~900 in a developer's cache)."""
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "gguf"
+    kept, deleted, changed, new = (
+        tmp_path / f"{n}.gguf" for n in ("kept", "gone", "changed", "new")
+    )
+    for path in (kept, deleted, changed):
+        write_tiny_model(path)
+        open_checkpoint(path)
+    entries = {p: gguf_index.cache_dir(p) for p in (kept, deleted, changed)}
+    (entries[kept] / "tokenizer").mkdir()  # a tokenizer cached beside the index stays too
+    old_version = root / ("0" * 24)  # an index of an earlier version: rebuilt if ever used
+    old_version.mkdir()
+    (old_version / "index.json").write_text(json.dumps({"version": 2, "tensors": []}))
+    in_the_making = root / ("1" * 24)  # no index yet: another process is writing it
+    in_the_making.mkdir()
+    assert len(list(root.iterdir())) == 5
+
+    deleted.unlink()
+    os.utime(changed, ns=(1, 1))  # modified: its entry's key no longer matches
+    write_tiny_model(new)
+    open_checkpoint(new)  # writes a new index, which prunes
+    left = set(root.iterdir())
+    assert left == {entries[kept], gguf_index.cache_dir(new), in_the_making}
+    assert (entries[kept] / "tokenizer").is_dir()
+    # the changed file reopens from a fresh parse, into an entry of its own
+    assert open_checkpoint(changed).hf_config == open_checkpoint(kept).hf_config
+    assert gguf_index.cache_dir(changed) in set(root.iterdir())
+    assert gguf_index.prune_stale_entries() == 0
 
 
 @pytest.mark.parametrize("kernels", ["built", "none"])

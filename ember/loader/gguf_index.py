@@ -5,7 +5,10 @@ nearly all of it numpy views of the 49,152 vocabulary strings), and every start 
 in each process. The first open keeps, per file (keyed by path, size and mtime), an
 index as JSON: the Hugging Face config derived from the metadata and each tensor's name,
 GGML type, shape and byte range. Later opens read that JSON and memory-map the tensors
-straight from their offsets; the tokenizer has its own cache next to it.
+straight from their offsets; the tokenizer has its own cache next to it. Each index names
+the file it was made from; whenever a new one is written, the entries of files since
+deleted, replaced or moved (and those of an older index version) are removed, so the
+cache holds about one entry per file in use rather than one per file ever opened.
 
     ~/.cache/ember/gguf/<key>/index.json    this index
     ~/.cache/ember/gguf/<key>/tokenizer/    the tokenizer (gguf_tokenizer)
@@ -17,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ember.loader")
 
-INDEX_VERSION = 2  # 2: configs of MoE and MLA files
+INDEX_VERSION = 3  # 2: configs of MoE and MLA files; 3: the source file's path, size, mtime
 # architectures whose config transformers' GGUF support cannot read (their tokenizer is
 # built without it)
 TOKENIZER_ONLY_ARCHITECTURES = frozenset({"deepseek2"})
@@ -82,13 +86,26 @@ class IndexedTensor:
             self.data = raw.reshape(dims)
 
 
-def cache_dir(path: Path) -> Path:
-    """Where this file's index and tokenizer are kept."""
+def _cache_root() -> Path:
     from ember import envs
 
+    return envs.cache_dir() / "gguf"
+
+
+def _source(path: Path) -> dict:
+    """What keys a file's entry: its resolved path, size and modification time."""
     stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return envs.cache_dir() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _key(source: dict) -> str:
+    key = f"{source['path']}:{source['size']}:{source['mtime_ns']}"
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def cache_dir(path: Path) -> Path:
+    """Where this file's index and tokenizer are kept."""
+    return _cache_root() / _key(_source(path))
 
 
 def load_index(path: Path) -> GGUFIndex:
@@ -114,7 +131,8 @@ def load_index(path: Path) -> GGUFIndex:
             for t in reader.tensors
         ],
     )  # fmt: skip
-    _save(index, target)
+    _save(index, _source(path), target)
+    prune_stale_entries(keep=target.parent)
     return index
 
 
@@ -123,9 +141,45 @@ def tensors(path: Path, index: GGUFIndex) -> list[IndexedTensor]:
     return [IndexedTensor(entry, file_bytes) for entry in index.tensors]
 
 
-def _save(index: GGUFIndex, target: Path) -> None:
+def prune_stale_entries(keep: Path | None = None) -> int:
+    """Removes the cache's entries (index and tokenizer) whose file is gone or changed, or
+    whose index is of another version or unreadable; `keep`: an entry left whatever it
+    holds (the one being written). Entries without an index yet (a tokenizer cached
+    alone) are left. Returns how many were removed; errors only leave entries behind."""
+    removed = 0
+    try:
+        entries = [e for e in _cache_root().iterdir() if e.is_dir() and not e.is_symlink()]
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry == keep or not _stale(entry):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed += 1
+    if removed:
+        logger.debug("GGUF cache: removed %d entries of files gone or changed", removed)
+    return removed
+
+
+def _stale(entry: Path) -> bool:
+    index = entry / "index.json"
+    if not index.is_file():
+        return False  # another process's entry in the making, or a tokenizer alone
+    try:
+        data = json.loads(index.read_text())
+        if data.get("version") != INDEX_VERSION:
+            return True
+        source = data["source"]
+        return _key(_source(Path(source["path"]))) != entry.name
+    except FileNotFoundError:
+        return True  # the file is gone (the index itself was read)
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+def _save(index: GGUFIndex, source: dict, target: Path) -> None:
     """Writes atomically; an index that cannot be written only costs the next start."""
-    data = {"version": INDEX_VERSION, **asdict(index)}
+    data = {"version": INDEX_VERSION, "source": source, **asdict(index)}
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False) as f:
