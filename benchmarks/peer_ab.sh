@@ -9,7 +9,8 @@
 # uninstall torchvision, torchaudio and torchcodec, which fail to load beside the CPU
 # torch). HF_DIR: a Hugging Face copy of the default model's weights (the fp32 values
 # its GGUF decodes to: see docs/benchmarks.md). WORKLOADS: any of random agentic trace
-# agentic-notools (default: the first three; agentic-notools is agentic without tool
+# agentic-notools random32 (default: the first three; random32 is 32 streams of 128-token
+# prompts; agentic-notools is agentic without tool
 # definitions, like for like: SmolLM2's chat template renders no tools in vLLM, so there
 # its prompts are shorter than ember's, which describes them in the system prompt). $EMBER_ARGS and $VLLM_DTYPE (default bfloat16) pick each side's
 # mode; with $EMBER_B_ARGS set, a second ember server ("emberB", port 8201) runs with
@@ -47,6 +48,7 @@ declare -A ARGS=(
   [agentic]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 4 --tool-tokens 32 --turn-tokens 48 --output-len 32 --max-concurrency 4"
   [agentic-notools]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 0 --turn-tokens 48 --output-len 32 --max-concurrency 4"
   [trace]="--workload trace --trace $TRACE --num-requests 40 --trace-block-tokens 16 --time-scale 0 --max-concurrency 8"
+  [random32]="--workload random --num-requests 96 --max-concurrency 32 --input-len 128 --output-len 64"
 )
 for round in $(seq "$ROUNDS"); do
   for workload in $WORKLOADS; do

@@ -53,6 +53,7 @@ import zmq
 
 from ember import envs
 from ember.config import EngineConfig, ModelConfig
+from ember.cpus import usable_cpus
 from ember.distributed import nodes
 from ember.distributed.nodes import Link, Nodes
 from ember.distributed.parallel import PipelineStage, TPGroup, building, wait
@@ -276,6 +277,12 @@ def rank_cores(size: int, rank: int) -> list[int]:
     return cores[first : first + per_rank]
 
 
+def rank_threads(size: int, rank: int) -> int:
+    """The torch threads of rank `rank` of `size` on a host: one per core of its share,
+    and no more than its share of the CPUs the cgroup's limit allows (ember.cpus)."""
+    return min(len(rank_cores(size, rank)), max(1, usable_cpus() // size))
+
+
 class MultiprocExecutor:
     """Ranks 1..size-1 of a model whose rank 0 is this process."""
 
@@ -321,7 +328,7 @@ class MultiprocExecutor:
         address = f"ipc://{self._dir}/rank{rank}"
         socket.bind(address)
         self._sockets.insert(rank - 1, socket)  # (before the remote ranks')
-        threads = len(rank_cores(self.nodes.per_node, rank))
+        threads = rank_threads(self.nodes.per_node, rank)
         flags = ["--rank", rank, "--size", self.size, "--socket", address, "--threads", threads]
         command = [sys.executable, *RANK_MODULE, *map(str, flags + store_flag)]
         self._processes.append(subprocess.Popen(command, env=envs.engine_core_env()))
@@ -348,7 +355,7 @@ class MultiprocExecutor:
         for rank in range(1, self.size):
             self._expect(rank, Hello)
         self.send(setup)
-        torch.set_num_threads(len(rank_cores(self.nodes.per_node, 0)))
+        torch.set_num_threads(rank_threads(self.nodes.per_node, 0))
         store = self._store or dist.FileStore(f"{self._dir}/store", self.size)
         group, stage = join_group(0, self.config, store)
         if group.comm is not None:

@@ -282,7 +282,7 @@ def node_store(nodes: Nodes, rank: int):
 def run_node(nodes: Nodes, node_rank: int, threads: int | None = None) -> int:
     """Runs node `node_rank`'s ranks of a model whose rank 0 is at `nodes.addr` until they
     exit (all: 0; one failed: the others are stopped, its exit code). No API here."""
-    from ember.distributed.executor import RANK_MODULE, rank_cores
+    from ember.distributed.executor import RANK_MODULE, rank_threads
 
     node_secret()  # refused here, before any rank starts, if unset
     if nodes.nnodes == 1:
@@ -302,7 +302,7 @@ def run_node(nodes: Nodes, node_rank: int, threads: int | None = None) -> int:
         flags = {
             "--rank": rank, "--size": nodes.world_size, "--nnodes": nodes.nnodes,
             "--dist-init-addr": nodes.addr,
-            "--threads": threads or len(rank_cores(nodes.per_node, local)),
+            "--threads": threads or rank_threads(nodes.per_node, local),
         }  # fmt: skip
         command = [sys.executable, *RANK_MODULE]
         command += [str(part) for flag in flags.items() for part in flag]

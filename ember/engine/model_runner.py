@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ember import startup
+from ember import cpus, startup
 from ember.config import EngineConfig, ModelConfig
 from ember.distributed.executor import (
     AllocateKV,
@@ -87,6 +87,8 @@ class ModelRunner:
         self.config = engine_config
         self.model_config = model_config
         self.device = engine_config.resolve_device()
+        if group is None and engine_config.world_size == 1:  # ranks: rank_threads
+            cpus.fit_torch_threads()
         # the activations' and the KV cache's dtype; on CPU a bf16 model keeps them fp32
         # (ember's CPU kernels are fp32) and stores only its matmul weights in bf16
         self.dtype = engine_config.resolve_dtype(self.device)
