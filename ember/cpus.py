@@ -53,26 +53,29 @@ def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) 
 def usable_cpus() -> int:
     """The threads this process can keep busy: its cores, no more than its cgroups' CPU
     limit (rounded down, at least 1)."""
+    return _within(cgroup_cpu_limit())
+
+
+def _within(limit: float | None) -> int:
     cores = len(os.sched_getaffinity(0))
-    limit = cgroup_cpu_limit()
-    if limit is None:
-        return cores
-    return max(1, min(cores, math.floor(limit)))
+    return cores if limit is None else max(1, min(cores, math.floor(limit)))
 
 
 def fit_torch_threads() -> int:
-    """Lowers torch's thread count to `usable_cpus()` (never raises it; left alone where
-    $OMP_NUM_THREADS says how many); returns the count in use."""
+    """Lowers torch's thread count to what the cgroup's CPU limit allows (`usable_cpus()`;
+    never raises it; left alone without a limit or where $OMP_NUM_THREADS says how
+    many); returns the count in use."""
     import torch
 
     threads = torch.get_num_threads()
-    if os.environ.get("OMP_NUM_THREADS"):
+    limit = None if os.environ.get("OMP_NUM_THREADS") else cgroup_cpu_limit()
+    if limit is None:  # a count set by hand, or no limit: torch's choice stands
         return threads
-    usable = usable_cpus()
+    usable = _within(limit)
     if threads > usable:
         logger.info(
             "%d torch threads, not %d: this process's cgroup allows %g CPUs (its CPU limit)",
-            usable, threads, cgroup_cpu_limit(),
+            usable, threads, limit,
         )  # fmt: skip
         torch.set_num_threads(usable)
         return usable

@@ -139,3 +139,18 @@ def test_a_process_in_a_real_cgroup_of_one_cpu_sees_one() -> None:
         assert out.stdout.split() == ["1.0", "1"]
     finally:
         group.rmdir()
+
+
+def test_pinned_workers_split_the_cores_the_limit_allows(monkeypatch) -> None:
+    """`ember up --pin`: two workers in a container of 4 CPUs on 16 cores get 2 cores each,
+    so their threads together stay within the limit."""
+    from ember.router.up import core_sets
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(cpus, "cgroup_cpu_limit", lambda: 4.0)
+    assert core_sets(2) == [{0, 1}, {2, 3}]
+    monkeypatch.setattr(cpus, "cgroup_cpu_limit", lambda: None)
+    assert core_sets(2) == [set(range(8)), set(range(8, 16))]
+    with pytest.raises(ValueError, match="5 workers but only 4 cores"):
+        monkeypatch.setattr(cpus, "cgroup_cpu_limit", lambda: 4.0)
+        core_sets(5)

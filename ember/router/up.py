@@ -39,6 +39,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ember.cpus import usable_cpus
 from ember.router.run import add_migration_args
 from ember.server.args import access_of, add_access_args, add_parser_args, add_queue_args
 
@@ -120,8 +121,10 @@ def worker_flags(options: dict) -> list[str]:
 
 
 def core_sets(num_workers: int) -> list[set[int]]:
-    """The CPU cores split into num_workers disjoint sets (at least one core each)."""
-    cores = sorted(os.sched_getaffinity(0))
+    """The CPU cores split into num_workers disjoint sets (at least one core each): as
+    many of this process's cores as its cgroup's CPU limit allows (ember.cpus), so that
+    the workers' threads together stay within it."""
+    cores = sorted(os.sched_getaffinity(0))[: usable_cpus()]
     if num_workers > len(cores):
         raise ValueError(f"--pin: {num_workers} workers but only {len(cores)} cores")
     size = len(cores) // num_workers
