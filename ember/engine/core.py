@@ -19,6 +19,7 @@ import torch
 
 from ember import envs, startup
 from ember.config import EngineConfig, ModelConfig
+from ember.engine.calibration import Calibrator
 from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -78,6 +79,12 @@ class EngineCore:
         self.speculator = make_speculator(
             config, self.runner, self.kv_cache, self.max_model_len, self.step_cost
         )
+        self.calibrator = Calibrator(
+            self.runner, self.kv_cache, self.step_cost, self.max_model_len,
+            model_config.vocab_size,
+            enabled=config.world_size == 1 and self.steps_in_flight == 1
+            and self.speculator is None,
+        )  # fmt: skip
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -152,6 +159,7 @@ class EngineCore:
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request's sequences; a ValueError leaves nothing queued."""
+        self.calibrator.drop()  # served steps teach the cost model from here on
         self.num_sequences_received += core_request.params.n
         if core_request.request_id in self._sequence_ids:
             raise ValueError(f"request_id {core_request.request_id!r} is already in use")
@@ -284,12 +292,17 @@ class EngineCore:
         )
 
     def has_idle_work(self) -> bool:
-        """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter)."""
-        return not self.prefaulter.done
+        """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter), then
+        the step cost model's calibration (ember.engine.calibration)."""
+        return not self.prefaulter.done or not self.calibrator.done
 
     def idle_work(self) -> None:
-        """One short slice of it (milliseconds); call only when no step is due."""
-        self.prefaulter.step()
+        """One slice of it (milliseconds; a calibration step, up to a 512-token prefill);
+        call only when no step is due."""
+        if not self.prefaulter.done:
+            self.prefaulter.step()
+        else:
+            self.calibrator.step()
 
     def has_runnable(self) -> bool:
         """Work a step can do now (not only waiting for KV to arrive, or for the cluster

@@ -105,6 +105,15 @@ class FadingLeastSquares:
         self.coefficients = nonnegative_solve(self._xx + pull, self._xy + pull @ self.prior)
         self.num_observed += 1
 
+    def drop_prior(self, keep: tuple[int, ...] = ()) -> None:
+        """Lets go of the prior (but for its faint lasting pull) on every coefficient not
+        in `keep`, the observations so far having measured this machine; refits."""
+        kept = np.zeros(len(self.prior))
+        kept[list(keep)] = 1.0
+        self._ridge = self._ridge * np.outer(kept, kept)
+        pull = self._ridge + self._lasting
+        self.coefficients = nonnegative_solve(self._xx + pull, self._xy + pull @ self.prior)
+
 
 def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The least-squares coefficients x >= 0 of normal equations a x = b (a positive
@@ -167,6 +176,15 @@ class StepCostModel:
         ms took 80, and turns were cut into smaller chunks for it). Within a decode-only
         stretch the decode costs are averaged instead."""
         self.fit.observe(shape.features(), measured_ms, fade=shape.num_prefill_tokens > 0)
+
+    def calibrated(self) -> None:
+        """The steps observed so far were timed to measure this machine (a fresh engine's
+        calibration, ember.engine.calibration): the prior's costs no longer weigh on the
+        fit, but for the attention pairs' (short contexts, all a calibration can afford,
+        hardly tell a pair's cost from a token's: left free, the fit put a 512-token
+        chunk's whole cost on its pairs in one of two fresh starts, and so predicted a chunk
+        after 2,000 tokens at 1 s) and a faint pull on what they left undetermined."""
+        self.fit.drop_prior(keep=(3,))
 
     def max_prefill_tokens(
         self, num_decode_rows: int, num_computed: int, max_ms: float, limit: int

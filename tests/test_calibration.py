@@ -1,0 +1,125 @@
+"""A fresh engine times a few synthetic steps while idle (ember.engine.calibration), so its
+first steps under load are planned by its own costs; the pool, the prefix cache and the
+requests served are as if it had not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.config import EngineConfig
+from ember.engine.calibration import SCRIPT
+from ember.engine.core import EngineCore
+from ember.engine.messages import EngineCoreRequest
+from ember.engine.step_cost import StepCoefficients, StepCostModel, StepShape
+from ember.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def make_core(tiny_checkpoint):
+    cores = []
+
+    def make(**options) -> EngineCore:
+        defaults = dict(kv_cache_memory=64 << 20, max_model_len=1024, max_step_ms=250.0)
+        config = EngineConfig(model=str(tiny_checkpoint("llama")), **{**defaults, **options})
+        cores.append(EngineCore.from_config(config))
+        return cores[-1]
+
+    yield make
+    for core in cores:
+        core.close()
+
+
+def idle(core: EngineCore) -> int:
+    """Runs the idle work to its end, as an idle server does; returns the slices."""
+    slices = 0
+    while core.has_idle_work():
+        core.idle_work()
+        slices += 1
+    return slices
+
+
+def serve(core: EngineCore, prompts: list[list[int]]) -> tuple[list[list[int]], list]:
+    """Each prompt's tokens, and every step's prefill cap, as the engine serves them."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, PARAMS, PARAMS.max_tokens, []))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    caps = []
+    schedule = core.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        caps.append(out.prefill_cap)
+        return out
+
+    core.scheduler.schedule = recording
+    while core.has_unfinished():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    tokens = {i: t for i, t in tokens.items() if i.startswith("r")}
+    return list(tokens.values()), caps
+
+
+def test_an_idle_engine_calibrates_and_gives_everything_back(make_core):
+    core = make_core()
+    blocks = core.kv_cache.num_free_blocks
+    assert np.allclose(core.step_cost.coefficients, StepCoefficients().as_array())
+    seen = {}
+    observe = core.step_cost.observe
+    core.step_cost.observe = lambda shape, ms: (seen.setdefault(shape, ms), observe(shape, ms))
+    assert idle(core) > len(SCRIPT)  # the prefault's slices, then the script's
+    observed = sum(step.observe for step in SCRIPT)
+    assert core.step_cost.num_observed == core.calibrator.num_observed == observed
+    # this machine's costs: a tiny model's 512-token step takes a few ms, the prior says ~1 s
+    prompt = StepShape(512, 0, StepShape.chunk_pairs(0, 512))
+    assert StepCostModel().predict_ms(prompt) > 4 * seen[prompt]  # the prior: far off
+    assert seen[prompt] / 2 < core.step_cost.predict_ms(prompt) < 2 * seen[prompt]
+    assert len(seen) == 4  # shapes: two with prompts, two of decodes alone
+    assert core.kv_cache.num_free_blocks == blocks and core.kv_cache.check_integrity()
+    assert all(not pool.cached for pool in core.kv_cache.pools)  # no prefix-cache entry
+    assert core.kv_cache.stats.queries == 0 and core.step_stats.num_steps == 0
+
+
+def test_calibrated_the_first_mixed_step_takes_the_whole_chunk(make_core):
+    """Two streams decoding, then a 512-token prompt: by the prior (60 ms a step, 2 ms a
+    token) the chunk beside the decodes is capped to fit 250 ms; calibrated, it is not.
+    The tokens are the same either way."""
+    prompts = [[5 + i for i in range(40)], [9 + i for i in range(40)]]
+    long = [(7 * t) % 200 + 3 for t in range(512)]
+    results = {}
+    for calibrate in (False, True):
+        core = make_core()
+        while not core.prefaulter.done:
+            core.idle_work()
+        if calibrate:
+            idle(core)
+        for i, prompt in enumerate(prompts):
+            core.add_request(EngineCoreRequest(f"d{i}", prompt, PARAMS, 6, []))
+        core.step()  # the two prompts; they decode from here
+        results[calibrate] = serve(core, [long])
+    (tokens_prior, caps_prior), (tokens_calibrated, caps_calibrated) = results[False], results[True]
+    assert tokens_prior == tokens_calibrated and len(tokens_calibrated[0]) == 6
+    assert caps_prior[0] is not None and caps_prior[0] < 512
+    assert caps_calibrated[0] is None
+
+
+def test_a_request_arriving_mid_script_drops_it_and_is_served_alike(make_core):
+    core = make_core()
+    while not core.prefaulter.done:
+        core.idle_work()
+    free = core.kv_cache.num_free_blocks
+    core.idle_work()  # the first scripted step: its blocks are taken
+    assert not core.calibrator.done and core.kv_cache.num_free_blocks < free
+    prompt = [11 + i for i in range(30)]
+    tokens, _ = serve(core, [prompt])  # add_request drops the script
+    assert core.calibrator.done and not core.has_idle_work()
+    assert core.kv_cache.num_free_blocks == free and core.kv_cache.check_integrity()
+    reference = make_core()
+    assert serve(reference, [prompt])[0] == tokens
+
+
+def test_what_cannot_calibrate_does_not(make_core):
+    assert make_core(max_model_len=256).calibrator.done  # the script's prompts do not fit
+    assert make_core(speculative_method="ngram").calibrator.done
