@@ -123,3 +123,17 @@ def test_a_request_arriving_mid_script_drops_it_and_is_served_alike(make_core):
 def test_what_cannot_calibrate_does_not(make_core):
     assert make_core(max_model_len=256).calibrator.done  # the script's prompts do not fit
     assert make_core(speculative_method="ngram").calibrator.done
+
+
+def test_a_failing_step_drops_the_script_and_the_engine_serves_on(make_core, monkeypatch):
+    core = make_core()
+    while not core.prefaulter.done:
+        core.idle_work()
+    free = core.kv_cache.num_free_blocks
+    core.idle_work()  # a first step goes through
+    monkeypatch.setattr(core.runner, "execute", lambda out: 1 / 0)
+    core.idle_work()
+    assert core.calibrator.done and core.kv_cache.num_free_blocks == free
+    monkeypatch.undo()
+    tokens, _ = serve(core, [[3 + i for i in range(20)]])
+    assert len(tokens[0]) == PARAMS.max_tokens

@@ -19,8 +19,9 @@ arrives meanwhile waits for at most the step under way (~130 ms on the dev box f
 512-token one); the script is dropped then, its blocks given back, and never resumes:
 from there on the served steps teach the model.
 
-Only a single process's plain engine calibrates: no ranks, no pipeline, no speculative
-decoding, no KV connector (whose hooks would see the requests).
+Only a single process's plain CPU engine calibrates: no ranks, no pipeline, no
+speculative decoding (CUDA engines would take the same steps, but that is not yet checked
+on a GPU). A step that fails drops the script with a warning; the engine serves on.
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class Calibrator:
             measured_ms = (time.perf_counter() - start) * 1e3
         except _NoBlocks:
             self._left.clear()  # the pool is in use after all: leave it to requests
+            sampled = None
+        except Exception:  # never the engine's end: the served steps will teach the model
+            logger.warning("step cost calibration failed; dropped", exc_info=True)
+            self._left.clear()
             sampled = None
         for sched in out.scheduled:
             request = sched.request

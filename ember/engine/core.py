@@ -83,7 +83,7 @@ class EngineCore:
             self.runner, self.kv_cache, self.step_cost, self.max_model_len,
             model_config.vocab_size,
             enabled=config.world_size == 1 and self.steps_in_flight == 1
-            and self.speculator is None,
+            and self.speculator is None and self.runner.device.type == "cpu",
         )  # fmt: skip
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
