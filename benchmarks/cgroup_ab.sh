@@ -1,7 +1,7 @@
 #!/bin/bash
 # Two ember servers at once, each in its own v1 cpu cgroup of CPUS CPUs (as root, where
 # /sys/fs/cgroup/cpu is writable): OLD_TREE (a worktree of an earlier commit, port 8401)
-# and this tree (port 8402); a benchmarks/peer_ab.sh load sent to one then the other,
+# and this tree (port 8402); a load of benchmarks/loads.sh sent to one then the other,
 # ROUNDS times. Prints one line per run and each cgroup's throttled time.
 #
 #   benchmarks/cgroup_ab.sh OLD_TREE [ROUNDS] [random|agentic-notools] [CPUS]
@@ -24,14 +24,11 @@ trap 'kill $A $B 2>/dev/null; wait; rmdir /sys/fs/cgroup/cpu/ember-ab-old /sys/f
 for port in 8401 8402; do
   for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
 done
-declare -A ARGS=(
-  [random]="--workload random --num-requests 16 --max-concurrency 4 --input-len 286 --output-len 64"
-  [agentic-notools]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 0 --turn-tokens 48 --output-len 32 --max-concurrency 4"
-)
+source benchmarks/loads.sh
 for round in $(seq "$ROUNDS"); do
   for port in 8401 8402; do
     name=$([ $port = 8401 ] && echo old || echo new)
-    $PY -m ember.cli bench serve --url http://127.0.0.1:$port ${ARGS[$W]} \
+    $PY -m ember.cli bench serve --url http://127.0.0.1:$port ${LOADS[$W]} \
         --tokenizer "${TOKENIZER:-/work/bench/smollm2-hf}" --seed "$round" --no-progress > /tmp/cgroup-ab.txt 2>&1
     echo "$round $W $name $(grep -E '^(throughput|TTFT|ITL)' /tmp/cgroup-ab.txt | tr '\n' ' ')"
   done

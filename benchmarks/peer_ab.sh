@@ -20,7 +20,6 @@
 set -u
 VLLM_PY=$1 HF_DIR=$(realpath "$2") ROUNDS=${3:-2} WORKLOADS=${4:-random agentic trace}
 PY=$PWD/.venv/bin/python
-TRACE=$(realpath ../shared/traces/mooncake-conversation_trace.jsonl)
 mkdir -p /tmp/peer
 EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8200 --kv-cache-memory 1G \
     --max-model-len 4096 ${EMBER_ARGS:-} > /tmp/peer/ember.log 2>&1 &
@@ -43,13 +42,7 @@ trap 'kill $EMBER $VLLM $EMBER_B 2>/dev/null; wait' EXIT
 for port in 8200 8101 ${EMBER_B:+8201}; do
   for _ in $(seq 600); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
 done
-declare -A ARGS=(
-  [random]="--workload random --num-requests 16 --max-concurrency 4 --input-len 286 --output-len 64"
-  [agentic]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 4 --tool-tokens 32 --turn-tokens 48 --output-len 32 --max-concurrency 4"
-  [agentic-notools]="--workload agentic --num-sessions 4 --num-turns 4 --system-tokens 512 --num-tools 0 --turn-tokens 48 --output-len 32 --max-concurrency 4"
-  [trace]="--workload trace --trace $TRACE --num-requests 40 --trace-block-tokens 16 --time-scale 0 --max-concurrency 8"
-  [random32]="--workload random --num-requests 96 --max-concurrency 32 --input-len 128 --output-len 64"
-)
+source benchmarks/loads.sh
 for round in $(seq "$ROUNDS"); do
   for workload in $WORKLOADS; do
     # rotate which side goes first, round by round
@@ -59,7 +52,7 @@ for round in $(seq "$ROUNDS"); do
     for side in $sides; do
       case $side in ember) port=8200 ;; emberB) port=8201 ;; *) port=8101 ;; esac
       out=/tmp/peer/$workload-$round-$side
-      $PY -m ember.cli bench serve --url http://127.0.0.1:$port ${ARGS[$workload]} \
+      $PY -m ember.cli bench serve --url http://127.0.0.1:$port ${LOADS[$workload]} \
           --tokenizer "$HF_DIR" --seed "$round" --no-progress --out "$out.json" > "$out.txt" 2>&1
       echo "$round $workload $side $(grep -E '^(throughput|TTFT|ITL)' "$out.txt" | tr '\n' ' ')"
     done

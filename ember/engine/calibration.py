@@ -104,10 +104,10 @@ class Calibrator:
         """Gives up what is left (a request arrived) and gives the blocks back."""
         if self._left:
             logger.debug("step cost calibration dropped after %d steps", self.num_observed)
-            self._left.clear()
-            self._free()
+            self._end()
 
-    def _free(self) -> None:
+    def _end(self) -> None:
+        self._left.clear()
         for request in self._requests:
             self.kv_cache.free(request)
 
@@ -116,42 +116,42 @@ class Calibrator:
         if not self._left:
             return
         script = self._left.popleft()
-        rows = [(self._requests[i], n) for i, n in script.chunks]
-        rows += [(self._requests[i], 1) for i in script.decodes]
-        out = SchedulerOutput()
         try:
-            for request, num_new in rows:
-                if self.kv_cache.allocate_slots(request, num_new, cache=False) is None:
-                    raise _NoBlocks
-                block_ids = self.kv_cache.block_ids(request.request_id)
-                out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
-            shape = out.shape()
+            out = self._schedule(script)
+            if out is None:  # the pool is in use after all: leave it to requests
+                self._end()
+                return
             start = time.perf_counter()
             sampled = self.runner.execute(out).sampled()
             measured_ms = (time.perf_counter() - start) * 1e3
-        except _NoBlocks:
-            self._left.clear()  # the pool is in use after all: leave it to requests
-            sampled = None
         except Exception:  # never the engine's end: the served steps will teach the model
             logger.warning("step cost calibration failed; dropped", exc_info=True)
-            self._left.clear()
-            sampled = None
+            self._end()
+            return
+        shape = out.shape()  # before the requests move on
         for sched in out.scheduled:
             request = sched.request
             request.num_computed_tokens += sched.num_new_tokens
-            request.token_ids += (sampled or {}).get(request.request_id, [])[:1]
-        if sampled is None or not self._left:
-            self._free()
-        if sampled is not None and script.observe:
+            request.token_ids += sampled.get(request.request_id, [])[:1]
+        if script.observe:
             self.cost_model.observe(shape, measured_ms)
             self.num_observed += 1
-        if sampled is not None and not self._left:
+        if not self._left:
+            self._end()
             self.cost_model.calibrated()
             logger.debug(
                 "step cost calibrated on %d steps: %s", self.num_observed,
                 self.cost_model.coefficients.round(3).tolist(),
             )  # fmt: skip
 
-
-class _NoBlocks(Exception):
-    pass
+    def _schedule(self, script: Step) -> SchedulerOutput | None:
+        """The step's rows with their blocks (None: the pool has none to spare)."""
+        rows = [(self._requests[i], n) for i, n in script.chunks]
+        rows += [(self._requests[i], 1) for i in script.decodes]
+        out = SchedulerOutput()
+        for request, num_new in rows:
+            if self.kv_cache.allocate_slots(request, num_new, cache=False) is None:
+                return None
+            block_ids = self.kv_cache.block_ids(request.request_id)
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
+        return out

@@ -44,6 +44,9 @@ class StepShape:
         )
 
 
+ATTENTION = 3  # the attention pairs' place in StepShape.features and the coefficients
+
+
 @dataclass(frozen=True)
 class StepCoefficients:
     """Milliseconds: per step, per prefill token, per decode row, per 1000 attention pairs.
@@ -101,8 +104,7 @@ class FadingLeastSquares:
         self._xx = decay * self._xx + np.outer(x, x)
         self._xy = decay * self._xy + x * y
         self._ridge = self.decay * self._ridge
-        pull = self._ridge + self._lasting
-        self.coefficients = nonnegative_solve(self._xx + pull, self._xy + pull @ self.prior)
+        self._refit()
         self.num_observed += 1
 
     def drop_prior(self, keep: tuple[int, ...] = ()) -> None:
@@ -110,7 +112,10 @@ class FadingLeastSquares:
         in `keep`, the observations so far having measured this machine; refits."""
         kept = np.zeros(len(self.prior))
         kept[list(keep)] = 1.0
-        self._ridge = self._ridge * np.outer(kept, kept)
+        self._ridge = self._ridge * np.diag(kept)  # the ridge is diagonal
+        self._refit()
+
+    def _refit(self) -> None:
         pull = self._ridge + self._lasting
         self.coefficients = nonnegative_solve(self._xx + pull, self._xy + pull @ self.prior)
 
@@ -184,7 +189,7 @@ class StepCostModel:
         hardly tell a pair's cost from a token's: left free, the fit put a 512-token
         chunk's whole cost on its pairs in one of two fresh starts, and so predicted a chunk
         after 2,000 tokens at 1 s) and a faint pull on what they left undetermined."""
-        self.fit.drop_prior(keep=(3,))
+        self.fit.drop_prior(keep=(ATTENTION,))
 
     def max_prefill_tokens(
         self, num_decode_rows: int, num_computed: int, max_ms: float, limit: int

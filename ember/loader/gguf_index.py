@@ -110,7 +110,8 @@ def cache_dir(path: Path) -> Path:
 
 def load_index(path: Path) -> GGUFIndex:
     """The file's index, from the cache or built (and kept) from a full parse."""
-    target = cache_dir(path) / "index.json"
+    source = _source(path)
+    target = _cache_root() / _key(source) / "index.json"
     try:
         data = json.loads(target.read_text())
         if data.get("version") == INDEX_VERSION:
@@ -131,7 +132,7 @@ def load_index(path: Path) -> GGUFIndex:
             for t in reader.tensors
         ],
     )  # fmt: skip
-    _save(index, _source(path), target)
+    _save(index, source, target)
     prune_stale_entries(keep=target.parent)
     return index
 
@@ -169,11 +170,8 @@ def _stale(entry: Path) -> bool:
         data = json.loads(index.read_text())
         if data.get("version") != INDEX_VERSION:
             return True
-        source = data["source"]
-        return _key(_source(Path(source["path"]))) != entry.name
-    except FileNotFoundError:
-        return True  # the file is gone (the index itself was read)
-    except (OSError, ValueError, KeyError, TypeError):
+        return _key(_source(Path(data["source"]["path"]))) != entry.name
+    except (OSError, ValueError, KeyError, TypeError):  # the file gone (OSError) included
         return True
 
 
