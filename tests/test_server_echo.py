@@ -80,6 +80,45 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, refere
         assert choice["text"].startswith(logprobs["tokens"][0])
 
 
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(server, reference, tokenizer):
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs as "token_id:N",
+    so that tokens that print alike (byte tokens as "\ufffd") stay apart."""
+    prompt = PROMPTS[0]
+    body = dict(prompt=prompt, max_tokens=6, echo=True, logprobs=3, ignore_eos=True,
+                return_tokens_as_token_ids=True)  # fmt: skip
+    choice = complete(server, **body)["choices"][0]
+    tokens, tops = choice["logprobs"]["tokens"], choice["logprobs"]["top_logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert [f"token_id:{t}" for t in ids] == tokens and ids[: len(prompt)] == prompt
+    assert choice["text"] == tokenizer.decode(prompt) + tokenizer.decode(ids[len(prompt) :])
+    expected = reference(ids)
+    for i, top in enumerate(tops[1:], 1):
+        row = expected[i - 1]
+        assert list(top) == [f"token_id:{t}" for t in row.topk(3).indices.tolist()]  # no merge
+        assert list(top.values()) == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    plain = complete(server, **dict(body, return_tokens_as_token_ids=False))["choices"][0]
+    assert plain["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids]
+    events = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "temperature": 0, "stream": True, **body},
+    ).text
+    chunks = [json.loads(x[6:])["choices"][0] for x in events.splitlines() if x[6:7] == "{"]
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == tokens  # fmt: skip
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 5,
+        "temperature": 0, "logprobs": True, "top_logprobs": 2,
+        "return_tokens_as_token_ids": True}).json()["choices"][0]  # fmt: skip
+    content = chat["logprobs"]["content"]
+    assert chat["message"]["content"] == tokenizer.decode(
+        [int(e["token"].removeprefix("token_id:")) for e in content]
+    )
+    for entry in content:
+        for item in [entry, *entry["top_logprobs"]]:
+            assert item["token"].startswith("token_id:")
+            assert item["bytes"] == list(item["token"].encode())
+
+
 def test_prompt_logprobs_in_vllm_shape(server, reference, tokenizer):
     response = complete(server, prompt=PROMPTS[0], max_tokens=2, prompt_logprobs=3, n=2)
     prompt, expected = PROMPTS[0], reference(PROMPTS[0])

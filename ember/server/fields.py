@@ -99,6 +99,7 @@ FIELDS: tuple[RequestField, ...] = (
     _honoured("stop_token_ids", BOTH, "vLLM's"),
     _honoured("ignore_eos", BOTH, "vLLM's"),
     _honoured("skip_special_tokens", BOTH, "vLLM's"),
+    _honoured("return_tokens_as_token_ids", BOTH, "vLLM's; logprobs name each token `token_id:N`"),
     _honoured("stream_options.continuous_usage_stats", BOTH, "vLLM's; usage in every chunk"),
     _honoured("add_generation_prompt", CHAT, "vLLM's"),
     _honoured("cache_salt", BOTH, "vLLM's; keeps a tenant's prefix cache apart"),

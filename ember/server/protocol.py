@@ -146,6 +146,7 @@ class _Sampling(RequestModel):
     repetition_penalty: float | None = _bounded("repetition_penalty")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

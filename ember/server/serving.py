@@ -37,6 +37,20 @@ RETRY_AFTER_S = 1  # a 429's Retry-After: queues turn over in about a step
 
 
 @dataclass(frozen=True)
+class LogprobForm:
+    """How a request's logprobs read: `top` alternatives to each token, each token named
+    by its text or, with vLLM's `return_tokens_as_token_ids`, as "token_id:N" (distinct
+    tokens can share a text; never an id)."""
+
+    top: int = 0
+    token_ids: bool = False
+
+    @classmethod
+    def of(cls, request, params: SamplingParams) -> LogprobForm:
+        return cls(params.logprobs or 0, bool(request.return_tokens_as_token_ids))
+
+
+@dataclass(frozen=True)
 class RequestContext:
     """Per HTTP request: the parts of it every engine request carries."""
 
@@ -234,6 +248,10 @@ class ServingBase:
         if usage_block is not None:
             chunk["usage"] = usage_block
         return chunk
+
+    def token_name(self, token_id: int, form: LogprobForm) -> str:
+        """A token as its logprobs name it (`form`)."""
+        return f"token_id:{token_id}" if form.token_ids else self.token_text(token_id)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -22,6 +22,7 @@ from ember.server.protocol import ChatCompletionRequest
 from ember.server.resume import TokenTrail
 from ember.server.serving import (
     SSE_DONE,
+    LogprobForm,
     RequestContext,
     RunningUsage,
     ServingBase,
@@ -109,14 +110,13 @@ class ChatServing(ServingBase):
             )
             return self._stream(request, request_id, params, texts, stream, ctx, running)
         (final,) = await self.collect([stream])
+        form = LogprobForm.of(request, params)
         response = {
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
             "model": self.model_name,
-            "choices": [
-                self._choice(seq, texts[seq.index], params.logprobs) for seq in final.outputs
-            ],
+            "choices": [self._choice(seq, texts[seq.index], form) for seq in final.outputs],
             "usage": usage([final]),
         }
         if (kv := self.handed_over(final)) is not None:
@@ -142,7 +142,7 @@ class ChatServing(ServingBase):
             for index in range(n)
         ]
 
-    def _choice(self, seq: CompletionOutput, text: _ChoiceText, logprobs: int | None) -> dict:
+    def _choice(self, seq: CompletionOutput, text: _ChoiceText, form: LogprobForm) -> dict:
         parsed = text.feed(seq.text, finished=True)
         message: dict = {"role": "assistant", "content": parsed.content}
         if parsed.reasoning:
@@ -153,23 +153,23 @@ class ChatServing(ServingBase):
         return {
             "index": seq.index,
             "message": message,
-            "logprobs": self._logprobs(seq.logprobs, logprobs or 0),
+            "logprobs": self._logprobs(seq.logprobs, form),
             "finish_reason": text.finish_reason(seq.finish_reason),
             "stop_reason": seq.stop_reason,
         }
 
-    def _logprobs(self, entries: list[dict[int, float]] | None, num_top: int) -> dict | None:
+    def _logprobs(self, entries: list[dict[int, float]] | None, form: LogprobForm) -> dict | None:
         if entries is None:
             return None
         content = []
         for entry in entries:
             (chosen, value), *_ = entry.items()
-            top = [self._token_logprob(t, v) for t, v in top_entries(entry, num_top)]
-            content.append(dict(self._token_logprob(chosen, value), top_logprobs=top))
+            top = [self._token_logprob(t, v, form) for t, v in top_entries(entry, form.top)]
+            content.append(dict(self._token_logprob(chosen, value, form), top_logprobs=top))
         return {"content": content}
 
-    def _token_logprob(self, token_id: int, value: float) -> dict:
-        text = self.token_text(token_id)
+    def _token_logprob(self, token_id: int, value: float, form: LogprobForm) -> dict:
+        text = self.token_name(token_id, form)
         return {"token": text, "logprob": value, "bytes": list(text.encode())}
 
     async def _stream(
@@ -179,7 +179,7 @@ class ChatServing(ServingBase):
         under its first worker's id, without a role chunk."""
         resume = ctx.resume
         created = now() if resume is None else resume.created
-        n, num_top = params.n, params.logprobs or 0
+        n, form = params.n, LogprobForm.of(request, params)
         trail = TokenTrail(ctx.trail and n == 1, 0 if resume is None else len(resume.token_ids))
         replaying = resume is not None and bool(resume.token_ids)
         ended: set[int] = set()
@@ -217,7 +217,7 @@ class ChatServing(ServingBase):
                         continue
                     text = texts[seq.index]
                     delta = _delta(text.feed(seq.delta_text, seq.finished))
-                    logprobs = self._logprobs(seq.delta_logprobs, num_top)
+                    logprobs = self._logprobs(seq.delta_logprobs, form)
                     if delta or logprobs:  # with the finish_reason after it: one unit
                         more = int(seq.finished)
                         yield chunk(seq.index, delta, logprobs=logprobs, token_ids=seq.token_ids,

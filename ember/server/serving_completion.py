@@ -16,6 +16,7 @@ from ember.server.protocol import CompletionRequest
 from ember.server.resume import TokenTrail
 from ember.server.serving import (
     SSE_DONE,
+    LogprobForm,
     RequestContext,
     RunningUsage,
     ServingBase,
@@ -53,12 +54,12 @@ class CompletionServing(ServingBase):
             running = RunningUsage(num_prompt_tokens) if request.continuous_usage else None
             return self._stream(request, request_id, params, streams, ctx, running)
         finals = await self.collect(streams)
-        num_top = params.logprobs or 0
+        form = LogprobForm.of(request, params)
         choices = [
             self._choice(
-                i * params.n + seq.index, seq, seq.text, seq.logprobs, seq.finish_reason, num_top
+                i * params.n + seq.index, seq, seq.text, seq.logprobs, seq.finish_reason, form
             )
-            | self._prompt_parts(request, final, seq.text, seq.logprobs, num_top)
+            | self._prompt_parts(request, final, seq.text, seq.logprobs, form)
             for i, final in enumerate(finals)
             for seq in final.outputs
         ]
@@ -74,16 +75,16 @@ class CompletionServing(ServingBase):
             response["kv_transfer_params"] = kv
         return response
 
-    def _choice(self, index, seq: CompletionOutput, text, logprobs, finish_reason, num_top):
+    def _choice(self, index, seq: CompletionOutput, text, logprobs, finish_reason, form):
         return {
             "index": index,
             "text": text,
-            "logprobs": None if logprobs is None else self._logprobs(logprobs, num_top),
+            "logprobs": None if logprobs is None else self._logprobs(logprobs, form),
             "finish_reason": finish_reason,
             "stop_reason": seq.stop_reason if finish_reason else None,
         }
 
-    def _prompt_parts(self, request, output: RequestOutput, text, logprobs, num_top) -> dict:
+    def _prompt_parts(self, request, output: RequestOutput, text, logprobs, form) -> dict:
         """What a choice's first appearance holds of its prompt (echo, prompt_logprobs), in
         place of its `text` and `logprobs`."""
         parts: dict = {}
@@ -91,10 +92,10 @@ class CompletionServing(ServingBase):
             parts["text"] = self._prompt_text(output) + text
             if logprobs is not None:
                 ids, entries = output.prompt_token_ids, output.prompt_logprobs
-                first = {"tokens": [self.token_text(ids[0])], "token_logprobs": [None]}
+                first = {"tokens": [self.token_name(ids[0], form)], "token_logprobs": [None]}
                 first["top_logprobs"] = [None]
-                prompt = self._logprobs(entries[1:], num_top)
-                tail = self._logprobs(logprobs, num_top)
+                prompt = self._logprobs(entries[1:], form)
+                tail = self._logprobs(logprobs, form)
                 parts["logprobs"] = {k: first[k] + prompt[k] + tail[k] for k in first}
         if request.prompt_logprobs is not None:
             parts["prompt_logprobs"] = self._vllm_prompt_logprobs(output, request.prompt_logprobs)
@@ -123,15 +124,15 @@ class CompletionServing(ServingBase):
     def _vllm_logprob(self, token_id: int, value: float, rank: int) -> dict:
         return {"logprob": value, "rank": rank, "decoded_token": self.token_text(token_id)}
 
-    def _logprobs(self, entries: list[dict[int, float]], num_top: int) -> dict:
+    def _logprobs(self, entries: list[dict[int, float]], form: LogprobForm) -> dict:
         tokens, token_logprobs, top = [], [], []
         for entry in entries:
             (chosen, value), *_ = entry.items()
-            tokens.append(self.token_text(chosen))
+            tokens.append(self.token_name(chosen, form))
             token_logprobs.append(value)
             alternatives: dict[str, float] = {}
-            for token, logprob in top_entries(entry, num_top):  # best first; texts may repeat
-                alternatives.setdefault(self.token_text(token), logprob)
+            for token, logprob in top_entries(entry, form.top):  # best first; texts may repeat
+                alternatives.setdefault(self.token_name(token, form), logprob)
             top.append(alternatives)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
 
@@ -143,7 +144,7 @@ class CompletionServing(ServingBase):
         resume = ctx.resume
         created = now() if resume is None else resume.created
         request_id = request_id if resume is None else resume.id
-        n, num_top = params.n, params.logprobs or 0
+        n, form = params.n, LogprobForm.of(request, params)
         one = n == 1 and len(streams) == 1
         trail = TokenTrail(ctx.trail and one, 0 if resume is None else len(resume.token_ids))
         replaying = resume is not None and bool(resume.token_ids)
@@ -159,7 +160,7 @@ class CompletionServing(ServingBase):
                     replaying = False
                     if output.finished:  # they had ended it: only the finish is due
                         seq = output.outputs[0]
-                        finish = self._choice(0, seq, "", None, seq.finish_reason, num_top)
+                        finish = self._choice(0, seq, "", None, seq.finish_reason, form)
                         body = self.chunk("text_completion", request_id, created, [finish])
                         if running is not None:
                             body["usage"] = running.block()
@@ -173,12 +174,12 @@ class CompletionServing(ServingBase):
                     if seq.finished:
                         ended.add(index)
                     choice = self._choice(
-                        index, seq, seq.delta_text, seq.delta_logprobs, seq.finish_reason, num_top
+                        index, seq, seq.delta_text, seq.delta_logprobs, seq.finish_reason, form
                     )
                     if index not in started:
                         started.add(index)
                         choice |= self._prompt_parts(
-                            request, output, seq.delta_text, seq.delta_logprobs, num_top
+                            request, output, seq.delta_text, seq.delta_logprobs, form
                         )
                     body = self.chunk("text_completion", request_id, created, [choice])
                     if running is not None:
