@@ -88,8 +88,22 @@ def test_messages_count_what_a_chat_completion_counts(server, tokenizer, tools):
             {"messages": MESSAGES, "continue_final_message": True},
             400,
             "continue_final_message",
-            "not supported",
+            "add_generation_prompt",
         ),  # fmt: skip
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "chat_template": "x"},
+            400,
+            "chat_template",
+            "not supported",
+        ),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}},
+            400,
+            "chat_template_kwargs",
+            "not a template variable",
+        ),
         (
             "/tokenize",
             {"messages": [{"role": "robot", "content": "x"}]},

@@ -22,6 +22,7 @@ objects are closed unless the schema sets `additionalProperties` (`prepare_schem
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 
@@ -114,17 +115,37 @@ def render_prompt(tokenizer, request: ChatCompletionRequest, plan: ToolPlan) -> 
     tools = request.tools if plan.mode != "none" else None
     native = tools is not None and "tools" in tokenizer.chat_template
     messages = [_message_dict(m, native) for m in request.messages]
-    kwargs = {}
+    kwargs = _template_kwargs(tokenizer, request)
     if tools and native:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     elif tools:
         messages = _with_tools_in_system(messages, tools)
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tokenize=False,
+            **kwargs,
         )
     except Exception as exc:  # jinja raises whatever the template raises
         raise ValueError(f"messages: the chat template failed: {exc}") from None
+
+
+def _template_kwargs(tokenizer, request: ChatCompletionRequest) -> dict:
+    """vLLM's `chat_template_kwargs`: variables the template reads (as Qwen3's
+    `enable_thinking`); never apply_chat_template's own parameters (tools, documents,
+    tokenize, ...), which are ember's to set."""
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ValueError(
+            "continue_final_message cannot be true with add_generation_prompt (set it false)"
+        )
+    given = request.chat_template_kwargs or {}
+    reserved = {"messages", *inspect.signature(tokenizer.apply_chat_template).parameters}
+    for name in given:
+        if name in reserved:
+            raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable")
+    return dict(given)
 
 
 def _message_dict(message: ChatMessage, native_tools: bool) -> dict:

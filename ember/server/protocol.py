@@ -24,7 +24,7 @@ from ember.sampling_params import (
     SamplingParams,
 )
 from ember.server.fields import Api, refused
-from ember.server.limits import MAX_MESSAGES, MAX_TOOLS
+from ember.server.limits import MAX_MESSAGES, MAX_TEMPLATE_KWARGS, MAX_TOOLS
 
 TokenId = Annotated[int, Field(**TOKEN_ID.schema())]
 Text = Annotated[str, Field(min_length=1)]
@@ -170,6 +170,27 @@ class _Sampling(RequestModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: Any = None
+    thinking_token_budget: Any = None
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    spaces_between_special_tokens: Any = None
+    length_penalty: Any = None
+    logprob_token_ids: Any = None
+    return_token_ids: Any = None
+    return_token_offsets: Any = None
+    priority: Any = None
+    request_id: Any = None
+    session_id: Any = None
+    stream_interval: Any = None
+    repetition_detection: Any = None
+    watermarking: Any = None
+    vllm_xargs: Any = None
+    ec_transfer_params: Any = None
+    routed_experts_prompt_start: Any = None
+    # irrelevant to the output (fields.FIELDS)
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
 
     @field_validator("*", mode="before")
     @classmethod
@@ -236,6 +257,9 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message (assistant's) goes on
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    add_special_tokens: bool = False  # the template writes them
     # irrelevant to the output (fields.FIELDS)
     metadata: Any = None
     store: Any = None
@@ -251,6 +275,14 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    include_reasoning: Any = None
+    echo: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    return_prompt_text: Any = None
+    # irrelevant to the output (fields.FIELDS)
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
 
     def to_sampling_params(self) -> SamplingParams:
         top = self.top_logprobs
@@ -267,9 +299,12 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = _bounded("max_tokens", 16)
     logprobs: int | None = _bounded("logprobs")
     echo: bool | None = False  # the prompt first (with logprobs, its tokens' logprobs)
+    add_special_tokens: bool = True  # the tokenizer's BOS (and the like) before the prompt
     # refused unless null or harmless (fields.FIELDS)
     best_of: int | None = None
     suffix: str | None = None
+    response_format: Any = None
+    prompt_embeds: Any = None
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs)

@@ -95,8 +95,10 @@ class ChatServing(ServingBase):
             text = await asyncio.to_thread(render_prompt, self.llm.tokenizer, request, plan)
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
-        # the rendered template holds the model's special tokens already
-        prompt = await self.check_prompt(text, params, "messages", add_special_tokens=False)
+        # the rendered template holds the model's special tokens already (unless
+        # add_special_tokens asks for the tokenizer's too, as vLLM's does)
+        special = request.add_special_tokens
+        prompt = await self.check_prompt(text, params, "messages", add_special_tokens=special)
         # a moved stream goes on under its id; an API layered on this one may name it
         request_id = ctx.resume.id if ctx.resume else ctx.request_id or new_id("chatcmpl")
         texts = self._choice_texts(request, plan, text, params.n, request_id)

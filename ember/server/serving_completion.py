@@ -46,7 +46,10 @@ class CompletionServing(ServingBase):
             if len(prompts) != 1:
                 raise APIError(400, "resume_params needs exactly one prompt", "prompt")
             params.prompt_logprobs = None  # sent with the stream's first chunk already
-        processed = [await self.check_prompt(p, params) for p in prompts]
+        processed = [
+            await self.check_prompt(p, params, add_special_tokens=request.add_special_tokens)
+            for p in prompts
+        ]
         request_id = new_id("cmpl")
         streams = self.start({f"{request_id}-{i}": p for i, p in enumerate(processed)}, params, ctx)
         if request.stream:

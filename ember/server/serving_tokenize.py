@@ -2,8 +2,8 @@
 and chat template, so clients and routers can count tokens exactly as generation will.
 
 /tokenize takes a `prompt` (text; the tokenizer's special tokens added unless
-`add_special_tokens` is false) or chat `messages` (+ `tools`, `add_generation_prompt`;
-rendered by the same code as /v1/chat/completions, whose template holds the special
+`add_special_tokens` is false) or chat `messages` (+ `tools`, `add_generation_prompt`, `continue_final_message`,
+`chat_template_kwargs`; rendered by the same code as /v1/chat/completions, whose template holds the special
 tokens already, so none are added unless asked) and answers
 `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` with
 `return_token_strs`, else null). /detokenize takes `tokens` and answers `{"prompt"}`.
@@ -45,9 +45,7 @@ class TokenizeRequest(_TokenizerRequest):
 
     # set to anything but these values, a field is refused (ember's chat does not have it)
     _REFUSED: ClassVar[dict[str, tuple]] = {
-        "continue_final_message": (False,),
         "chat_template": (),
-        "chat_template_kwargs": ({},),
     }
 
     model: str | None = None
@@ -57,7 +55,7 @@ class TokenizeRequest(_TokenizerRequest):
     add_special_tokens: bool | None = None  # default: true for prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-    continue_final_message: bool | None = None
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -111,6 +109,8 @@ class TokenizeServing(ServingBase):
             messages=request.messages,
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
         )
         plan = ToolPlan("auto" if request.tools else "none")
         text = render_prompt(self.llm.tokenizer, chat, plan)
