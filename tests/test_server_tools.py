@@ -188,6 +188,30 @@ def test_json_object_outputs_parse_streamed(client):
     assert isinstance(json.loads(text), dict)
 
 
+def test_completions_take_response_format_as_vllm_does(client):
+    """vLLM's response_format on /v1/completions: the same grammar as chat's, for each of
+    n choices and streamed; "text" changes nothing; a bad schema is a 400 naming it."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    def complete(**kwargs):
+        kwargs = {"prompt": "A person, as JSON: ", "max_tokens": 120, "temperature": 0} | kwargs
+        return client.completions.create(model="smollm2-135m", **kwargs)
+
+    sampled = complete(n=2, temperature=1.0, seed=3, extra_body={"response_format": fmt})
+    for choice in sampled.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), PERSON)
+    chunks = [c.choices[0] for c in complete(stream=True, extra_body={"response_format": fmt})]
+    assert chunks[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), PERSON)
+    text = complete(max_tokens=20, extra_body={"response_format": {"type": "text"}})
+    assert text.choices[0].text == complete(max_tokens=20).choices[0].text
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(extra_body={"response_format": bad})
+    assert info.value.body["param"] == "response_format"
+
+
 def test_bad_schema_is_a_400(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     with pytest.raises(openai.BadRequestError) as info:

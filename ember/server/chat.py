@@ -31,7 +31,13 @@ from ember.engine.structured_output import (
     prepare_schema,
     tool_calls_grammar,
 )
-from ember.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from ember.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -56,7 +62,7 @@ def tool_plan(request: ChatCompletionRequest) -> ToolPlan:
     parameter that is wrong."""
     tools = request.tools or []
     choice = request.tool_choice or ("auto" if tools else "none")
-    json_grammar = _response_format_grammar(request)
+    json_grammar = response_format_grammar(request.response_format)
     for index, tool in enumerate(tools):  # as OpenAI does, whatever the tool_choice
         if tool.function.strict:
             prepare_schema(_parameters(tool), _param(index), strict=True)
@@ -96,8 +102,9 @@ def _param(index: int) -> str:
     return f"tools.{index}.function.parameters"
 
 
-def _response_format_grammar(request: ChatCompletionRequest) -> str | None:
-    fmt = request.response_format
+def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
+    """The grammar a `response_format` (chat's, or completions' as vLLM takes it) holds
+    the output to; None for text. ValueError names the parameter."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":

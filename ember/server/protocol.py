@@ -300,10 +300,10 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = _bounded("logprobs")
     echo: bool | None = False  # the prompt first (with logprobs, its tokens' logprobs)
     add_special_tokens: bool = True  # the tokenizer's BOS (and the like) before the prompt
+    response_format: ResponseFormat | None = None  # vLLM's: JSON, as chat's
     # refused unless null or harmless (fields.FIELDS)
     best_of: int | None = None
     suffix: str | None = None
-    response_format: Any = None
     prompt_embeds: Any = None
 
     def to_sampling_params(self) -> SamplingParams:

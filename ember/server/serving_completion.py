@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from ember.outputs import CompletionOutput, RequestOutput
+from ember.server.chat import response_format_grammar
 from ember.server.errors import APIError
 from ember.server.protocol import CompletionRequest
 from ember.server.resume import TokenTrail
@@ -38,6 +39,7 @@ class CompletionServing(ServingBase):
         try:
             params = request.to_sampling_params()
             prompts = request.prompts()
+            grammar = response_format_grammar(request.response_format)
         except ValueError as exc:
             raise APIError.bad_request(exc) from None
         if ctx.kv_transfer is not None and len(prompts) != 1:
@@ -51,7 +53,8 @@ class CompletionServing(ServingBase):
             for p in prompts
         ]
         request_id = new_id("cmpl")
-        streams = self.start({f"{request_id}-{i}": p for i, p in enumerate(processed)}, params, ctx)
+        prompts_by_id = {f"{request_id}-{i}": p for i, p in enumerate(processed)}
+        streams = self.start(prompts_by_id, params, ctx, grammar)
         if request.stream:
             num_prompt_tokens = sum(len(p.prompt_token_ids) for p in processed)
             running = RunningUsage(num_prompt_tokens) if request.continuous_usage else None
