@@ -29,7 +29,7 @@ from ember.config import EngineConfig, ModelConfig
 from ember.engine.core_client import EngineCoreClient, EngineDeadError
 from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineStats
 from ember.engine.output_processor import OutputProcessor
-from ember.engine.processor import InputProcessor, ProcessedPrompt
+from ember.engine.processor import InputProcessor, ProcessedPrompt, Truncation
 from ember.kv.params import KVTransferParams
 from ember.loader.checkpoint import open_checkpoint
 from ember.outputs import RequestOutput
@@ -183,9 +183,13 @@ class AsyncLLM:
         return stats.num_waiting + max(self._num_sequences_sent - stats.num_sequences_received, 0)
 
     def process_prompt(
-        self, prompt: str | list[int], add_special_tokens: bool = True
+        self,
+        prompt: str | list[int],
+        add_special_tokens: bool = True,
+        truncation: Truncation | None = None,
+        max_tokens: int | None = None,
     ) -> ProcessedPrompt:
-        return self.input_processor.tokenize(prompt, add_special_tokens)
+        return self.input_processor.tokenize(prompt, add_special_tokens, truncation, max_tokens)
 
     async def generate(
         self,

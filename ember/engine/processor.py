@@ -15,6 +15,17 @@ from ember.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class Truncation:
+    """vLLM's `truncate_prompt_tokens`: keep `keep` of the prompt's tokens (-1: as many as
+    leave room for max_tokens), the last ones ("left": the start goes) or the first
+    ("right"); `side` None is the tokenizer's own (`truncation_side`, "right" unless it
+    says otherwise), as vLLM does."""
+
+    keep: int
+    side: str | None = None
+
+
+@dataclass(frozen=True)
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
@@ -38,24 +49,57 @@ class InputProcessor:
             eos.add(tokenizer.eos_token_id)
         return cls(tokenizer, model_config.vocab_size, max_model_len, frozenset(eos))
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> ProcessedPrompt:
+    def tokenize(
+        self,
+        prompt: str | list[int],
+        add_special_tokens: bool = True,
+        truncation: Truncation | None = None,
+        max_tokens: int | None = None,
+    ) -> ProcessedPrompt:
         """Token ids of a text (with the tokenizer's BOS and the like, unless the text is a
-        rendered chat template, which has them already) or checked token ids. A text too
-        long to fit the context is refused before it is tokenized."""
+        rendered chat template, which has them already) or checked token ids, cut to
+        `truncation` (which `max_tokens` sizes when it keeps -1). A text too long to fit
+        the context is refused before it is tokenized; truncated, it is cut to that many
+        characters first, on the side that goes (so its tokenizing stays bounded)."""
+        side = None
+        if truncation is not None:
+            side = truncation.side or getattr(self.tokenizer, "truncation_side", None) or "right"
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             if len(prompt) > self.max_prompt_chars:
-                raise ValueError(
-                    f"prompt has {len(prompt)} characters, more than max_model_len="
-                    f"{self.max_model_len} tokens of this tokenizer can hold"
-                )
+                if side is None:
+                    raise ValueError(
+                        f"prompt has {len(prompt)} characters, more than max_model_len="
+                        f"{self.max_model_len} tokens of this tokenizer can hold"
+                    )
+                cut = self.max_prompt_chars
+                prompt = prompt[-cut:] if side == "left" else prompt[:cut]
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            return ProcessedPrompt(prompt, ids)
-        ids = list(prompt)
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        return ProcessedPrompt(None, ids)
+            processed = ProcessedPrompt(prompt, ids)
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            processed = ProcessedPrompt(None, ids)
+        if truncation is None:
+            return processed
+        keep = self._keep(truncation.keep, max_tokens)
+        if keep >= len(processed.prompt_token_ids):
+            return processed
+        ids = processed.prompt_token_ids
+        ids = ids[len(ids) - keep :] if side == "left" else ids[:keep]
+        return ProcessedPrompt(None, ids)  # its text: the kept tokens'
+
+    def _keep(self, keep: int, max_tokens: int | None) -> int:
+        if keep == -1:
+            return max(self.max_model_len - (max_tokens or 1), 0)
+        if not 0 <= keep <= self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens must be -1 or 0 to max_model_len={self.max_model_len}"
+                f", got {keep}"
+            )
+        return keep
 
     def process(
         self,

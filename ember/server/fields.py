@@ -109,6 +109,14 @@ FIELDS: tuple[RequestField, ...] = (
         "vLLM's; the template's own variables (as enable_thinking), not apply_chat_template's",
     ),
     _honoured("add_special_tokens", BOTH, "vLLM's; chat default false, completions true"),
+    _honoured(
+        "truncate_prompt_tokens",
+        BOTH,
+        "vLLM's; keeps that many prompt tokens (-1: all that leave room for max_tokens)",
+    ),
+    _honoured(
+        "truncation_side", BOTH, "vLLM's; left (the start goes) or right; default: the tokenizer's"
+    ),
     _honoured("cache_salt", BOTH, "vLLM's; keeps a tenant's prefix cache apart"),
     _honoured("kv_retention", BOTH, "ember's; 'session' keeps the KV as a session's"),
     _honoured("kv_transfer_params", BOTH, "ember's router sets it; clients cannot"),
@@ -129,8 +137,6 @@ FIELDS: tuple[RequestField, ...] = (
     _refused("echo", CHAT, True, (False,)),
     _refused("documents", CHAT, [{"title": "a", "text": "b"}], ([],)),
     _refused("chat_template", CHAT, "{{ messages }}", note="the model's own template only"),
-    _refused("truncate_prompt_tokens", BOTH, 8),
-    _refused("truncation_side", BOTH, "left"),
     _refused("spaces_between_special_tokens", BOTH, False, (True,)),
     _refused("length_penalty", BOTH, 2.0, (1.0,), "beam search's"),
     _refused("logprob_token_ids", BOTH, [1]),

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from ember.engine.processor import Truncation
 from ember.sampling_params import (
     BOUNDS,
     MAX_LOGPROBS,
@@ -147,6 +148,9 @@ class _Sampling(RequestModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
+    # vLLM's: keep that many of the prompt's tokens (-1: all that leave room for max_tokens)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**63 - 1)
+    truncation_side: Literal["left", "right"] | None = None  # "left": the start goes
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -172,8 +176,6 @@ class _Sampling(RequestModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     thinking_token_budget: Any = None
-    truncate_prompt_tokens: Any = None
-    truncation_side: Any = None
     spaces_between_special_tokens: Any = None
     length_penalty: Any = None
     logprob_token_ids: Any = None
@@ -231,6 +233,11 @@ class _Sampling(RequestModel):
     def _no_op(self, name: str, value: Any) -> bool:
         """Whether a refused field's value changes nothing, given the other fields."""
         return False
+
+    def truncation(self) -> Truncation | None:
+        if self.truncate_prompt_tokens is None:
+            return None
+        return Truncation(self.truncate_prompt_tokens, self.truncation_side)
 
     def _prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ember.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from ember.engine.processor import ProcessedPrompt
+from ember.engine.processor import ProcessedPrompt, Truncation
 from ember.kv.params import KVTransferParams, decode_params
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
@@ -135,11 +135,14 @@ class ServingBase:
         params: SamplingParams,
         param: str = "prompt",
         add_special_tokens: bool = True,
+        truncation: Truncation | None = None,
     ) -> ProcessedPrompt:
-        """Tokenizes (in a thread: a long prompt must not stall the event loop) and checks
-        the prompt fits; a 400 names `param` for a prompt error."""
+        """Tokenizes (in a thread: a long prompt must not stall the event loop), cuts to
+        `truncation` and checks the prompt fits; a 400 names `param` for a prompt error."""
         try:
-            processed = await asyncio.to_thread(self.llm.process_prompt, prompt, add_special_tokens)
+            processed = await asyncio.to_thread(
+                self.llm.process_prompt, prompt, add_special_tokens, truncation, params.max_tokens
+            )
             self.llm.input_processor.check(processed, params)
         except ValueError as exc:
             error = APIError.bad_request(exc)

@@ -98,7 +98,9 @@ class ChatServing(ServingBase):
         # the rendered template holds the model's special tokens already (unless
         # add_special_tokens asks for the tokenizer's too, as vLLM's does)
         special = request.add_special_tokens
-        prompt = await self.check_prompt(text, params, "messages", add_special_tokens=special)
+        prompt = await self.check_prompt(
+            text, params, "messages", add_special_tokens=special, truncation=request.truncation()
+        )
         # a moved stream goes on under its id; an API layered on this one may name it
         request_id = ctx.resume.id if ctx.resume else ctx.request_id or new_id("chatcmpl")
         texts = self._choice_texts(request, plan, text, params.n, request_id)

@@ -49,7 +49,12 @@ class CompletionServing(ServingBase):
                 raise APIError(400, "resume_params needs exactly one prompt", "prompt")
             params.prompt_logprobs = None  # sent with the stream's first chunk already
         processed = [
-            await self.check_prompt(p, params, add_special_tokens=request.add_special_tokens)
+            await self.check_prompt(
+                p,
+                params,
+                add_special_tokens=request.add_special_tokens,
+                truncation=request.truncation(),
+            )  # fmt: skip
             for p in prompts
         ]
         request_id = new_id("cmpl")

@@ -1,8 +1,8 @@
 """vLLM's fields that shape a prompt: `chat_template_kwargs` (the template's own variables),
-`continue_final_message` (the last message goes on) and `add_special_tokens` (the
-tokenizer's BOS before the prompt), each against transformers' rendering of the same
-request, on a tiny checkpoint whose tokenizer writes a BOS and whose template reads a
-variable."""
+`continue_final_message` (the last message goes on), `add_special_tokens` (the tokenizer's
+BOS before the prompt) and `truncate_prompt_tokens` / `truncation_side`, each against
+transformers' tokens for the same request, on a tiny checkpoint whose tokenizer writes a
+BOS and whose template reads a variable."""
 
 from __future__ import annotations
 
@@ -121,3 +121,63 @@ def test_add_special_tokens_puts_the_tokenizers_bos_first(server, tokenizer):
     assert_chat_reads(server, {"messages": MESSAGES}, chat)  # the template's ids alone
     body = {"messages": MESSAGES, "add_special_tokens": True}
     assert_chat_reads(server, body, [bos, *chat])
+
+
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_truncate_prompt_tokens_keeps_that_many_from_the_side_asked(server, tokenizer, side):
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tokenizer.encode(text)  # the BOS first
+    kept = ids[-5:] if side == "left" else ids[:5]  # None: the tokenizer's side, "right"
+    body = {"prompt": text, "truncate_prompt_tokens": 5, **GREEDY}
+    if side is not None:
+        body["truncation_side"] = side
+    answer = post(server, "/v1/completions", body).json()
+    assert answer["usage"]["prompt_tokens"] == 5
+    assert answer["choices"][0]["text"] == completion_of(server, kept)
+    echoed = post(server, "/v1/completions", dict(body, echo=True, max_tokens=1)).json()
+    assert echoed["choices"][0]["text"].startswith(tokenizer.decode(kept))  # its text is cut too
+    whole = post(server, "/v1/completions", dict(body, truncate_prompt_tokens=len(ids))).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    chat = rendered(tokenizer, MESSAGES, add_generation_prompt=True)
+    body = {"messages": MESSAGES, "truncate_prompt_tokens": 6, "truncation_side": side or "right"}
+    cut = chat[-6:] if side == "left" else chat[:6]
+    answer = post(server, "/v1/chat/completions", {**body, **GREEDY}).json()
+    assert answer["usage"]["prompt_tokens"] == 6
+    assert answer["choices"][0]["message"]["content"] == completion_of(server, cut)
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(server, tokenizer):
+    long = [(7 * i) % 500 + 3 for i in range(600)]  # more than max_model_len (512)
+    body = {"prompt": long, **GREEDY}
+    assert post(server, "/v1/completions", body).status_code == 400  # as before, uncut
+    answer = post(server, "/v1/completions", dict(body, truncate_prompt_tokens=-1)).json()
+    assert answer["usage"]["prompt_tokens"] == 512 - GREEDY["max_tokens"]
+    assert answer["choices"][0]["text"] == completion_of(server, long[: 512 - 8])
+    left = dict(body, truncate_prompt_tokens=-1, truncation_side="left")
+    assert post(server, "/v1/completions", left).json()["choices"][0]["text"] == completion_of(
+        server, long[-(512 - 8) :]
+    )
+    # a text longer than the context could hold is cut on its side before tokenizing
+    text = "The quick brown fox jumps over the lazy dog. " * 20_000
+    refused = post(server, "/v1/completions", {"prompt": text, **GREEDY})
+    assert refused.status_code == 400 and "characters" in refused.json()["error"]["message"]
+    cut = {"prompt": text, "truncate_prompt_tokens": 40, "truncation_side": "left", **GREEDY}
+    tail = tokenizer.encode(text[-4000:], add_special_tokens=False)[-40:]
+    answer = post(server, "/v1/completions", cut).json()
+    assert answer["usage"]["prompt_tokens"] == 40
+    assert answer["choices"][0]["text"] == completion_of(server, tail)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 5, "truncation_side": "middle"}, "truncation_side"),
+        ({"truncate_prompt_tokens": 0}, "prompt"),  # nothing left
+    ],
+)
+def test_bad_truncations_are_a_400_naming_the_field(server, fields, param):
+    response = post(server, "/v1/completions", {"prompt": "The quick brown fox", **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
