@@ -179,6 +179,20 @@ def test_without_tools_the_reasoning_is_still_separated(hermes):
     assert message.content.startswith("Let me check.<tool_call>{")
 
 
+def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_rest(hermes):
+    """vLLM's include_reasoning: the reasoning is still parsed out of the answer, and
+    not returned (whole or streamed)."""
+    kept = chat(hermes, tools=[WEATHER]).choices[0]
+    dropped = chat(hermes, tools=[WEATHER], extra_body={"include_reasoning": False}).choices[0]
+    assert kept.message.reasoning_content == "The user wants Paris."
+    assert getattr(dropped.message, "reasoning_content", None) is None
+    assert dropped.message.content == kept.message.content == "Let me check."
+    assert dropped.message.tool_calls[0].function == kept.message.tool_calls[0].function
+    stream = streamed(hermes, tools=[WEATHER], extra_body={"include_reasoning": False})
+    assert (stream["reasoning"], stream["content"]) == ("", "Let me check.")
+    assert stream["calls"][0]["name"] == "get_weather"
+
+
 def test_unknown_parser_names_fail_at_start_with_the_known_ones():
     for command in ("serve", "up"):
         result = subprocess.run(

@@ -109,6 +109,7 @@ FIELDS: tuple[RequestField, ...] = (
         "vLLM's; the template's own variables (as enable_thinking), not apply_chat_template's",
     ),
     _honoured("add_special_tokens", BOTH, "vLLM's; chat default false, completions true"),
+    _honoured("include_reasoning", CHAT, "vLLM's; false drops reasoning_content"),
     _honoured(
         "truncate_prompt_tokens",
         BOTH,
@@ -133,7 +134,6 @@ FIELDS: tuple[RequestField, ...] = (
     _refused("guided_grammar", BOTH, "root ::= 'a'"),
     _refused("structured_outputs", BOTH, {"json": {"type": "object"}}, note="use response_format"),
     _refused("thinking_token_budget", BOTH, 64),
-    _refused("include_reasoning", CHAT, False, (True,)),
     _refused("echo", CHAT, True, (False,)),
     _refused("documents", CHAT, [{"title": "a", "text": "b"}], ([],)),
     _refused("chat_template", CHAT, "{{ messages }}", note="the model's own template only"),

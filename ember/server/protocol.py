@@ -267,6 +267,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False  # the last message (assistant's) goes on
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
     add_special_tokens: bool = False  # the template writes them
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content
     # irrelevant to the output (fields.FIELDS)
     metadata: Any = None
     store: Any = None
@@ -282,7 +283,6 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    include_reasoning: Any = None
     echo: Any = None
     documents: Any = None
     chat_template: Any = None

@@ -39,9 +39,14 @@ class _ChoiceText:
     """Turns one sequence's text, piece by piece, into reasoning, content and tool calls."""
 
     def __init__(
-        self, plan: ToolPlan, parser: OutputParser | None, ids: random.Random | None = None
+        self,
+        plan: ToolPlan,
+        parser: OutputParser | None,
+        ids: random.Random | None = None,
+        keep_reasoning: bool = True,
     ) -> None:
         self.plan = plan
+        self.keep_reasoning = keep_reasoning  # vLLM's include_reasoning: false drops it
         self.parser = parser  # none / auto: the served model's reasoning and tool parsers
         self.ids = ids  # the choice's tool-call ids are drawn from it
         if parser is not None and parser.tools is not None:
@@ -73,6 +78,8 @@ class _ChoiceText:
         if self.plan.max_calls is not None:  # parallel_tool_calls: false
             out.calls = [c for c in out.calls if c.index < self.plan.max_calls]
         self.num_calls += sum(c.id is not None for c in out.calls)
+        if not self.keep_reasoning:
+            out.reasoning = ""
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -142,6 +149,7 @@ class ChatServing(ServingBase):
                 plan,
                 self.parsers.output_parser(prompt, tools, reasoning) if parses else None,
                 random.Random(f"{request_id}/{index}"),
+                request.include_reasoning,
             )
             for index in range(n)
         ]
