@@ -183,6 +183,29 @@ def test_a_forced_tool_gives_valid_input_and_its_result_goes_back(server, client
     )
 
 
+def test_a_final_assistant_message_is_a_prefill_the_answer_goes_on_from(server, client):
+    """Anthropic's prefill: the answer continues the final assistant text (the chat path's
+    continue_final_message), and holds only what comes after it."""
+    question = fresh("The quick brown fox jumps over the lazy dog, and then?")
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": "The fox"}]
+    reference = chat(server, turns, max_tokens=10, continue_final_message=True,
+                     add_generation_prompt=False)  # fmt: skip
+    message = client.messages.create(model="tiny", max_tokens=10, messages=turns,
+                                      extra_body=GREEDY)  # fmt: skip
+    assert message.content[0].text == reference["choices"][0]["message"]["content"]
+    assert (
+        message.usage.input_tokens + message.usage.cache_read_input_tokens
+        == (reference["usage"]["prompt_tokens"])
+    )
+    blocks = [{"type": "text", "text": "The "}, {"type": "text", "text": "fox"}]
+    split = client.messages.create(model="tiny", max_tokens=10, extra_body=GREEDY,
+                                   messages=[turns[0], {"role": "assistant", "content": blocks}])  # fmt: skip
+    assert split.content[0].text == message.content[0].text
+    with client.messages.stream(model="tiny", max_tokens=10, messages=turns,
+                                extra_body=GREEDY) as stream:  # fmt: skip
+        assert stream.get_final_text() == message.content[0].text
+
+
 @pytest.mark.parametrize(
     "changes, status, words",
     [
@@ -197,8 +220,11 @@ def test_a_forced_tool_gives_valid_input_and_its_result_goes_back(server, client
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
         ({"output_config": {"effort": "low"}}, 400, "output_config"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
-                                                          "content": "The answer is"}]},
-         400, "prefill"),
+                                                          "content": "The answer is "}]},
+         400, "messages.1: final assistant content cannot end with trailing whitespace"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}]},
+         400, "messages.1: a final assistant message (prefill) must be text only"),
         ({"temperature": 1.5}, 400, "temperature"),
         ({"model": "claude-nonexistent"}, 404, "claude-nonexistent"),
     ],

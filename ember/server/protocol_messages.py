@@ -17,8 +17,9 @@ translates the chat answer back.
 Every field Anthropic defines is honoured, accepted because it cannot change what ember
 produces (`metadata`, `cache_control`: ember caches every prefix by itself,
 `service_tier`, ...), or refused with a 400 naming it (`_REFUSED`, images and the other
-block types ember cannot read, a final assistant message, `thinking` while the model has
-no reasoning parser); fields Anthropic does not define are refused too.
+block types ember cannot read, `thinking` while the model has no reasoning parser); a
+final assistant message is a prefill the answer goes on from (the chat path's
+`continue_final_message`); fields Anthropic does not define are refused too.
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ class MessagesRequest(_Body):
             "seed": self.seed,
             **self._chat_tools(),
         }
+        if self.messages[-1].role == "assistant":  # prefill: the answer goes on from it
+            body.update(continue_final_message=True, add_generation_prompt=False)
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
@@ -221,9 +224,26 @@ class MessagesRequest(_Body):
             if tool.strict:
                 raise ValueError(f"tools.{i}.strict is not supported by ember")
         if self.messages[-1].role == "assistant":
+            self._check_prefill(reasoning)
+
+    def _check_prefill(self, reasoning: bool) -> None:
+        """A final assistant message is text the answer goes on from (Anthropic's prefill):
+        text blocks only, not ending in whitespace (Anthropic refuses that too), and not
+        for a model whose reasoning parser reads the answer from its start."""
+        where = f"messages.{len(self.messages) - 1}"
+        content = self.messages[-1].content
+        blocks = [TextBlock(type="text", text=content)] if isinstance(content, str) else content
+        if not all(isinstance(block, TextBlock) for block in blocks):
+            raise ValueError(f"{where}: a final assistant message (prefill) must be text only")
+        text = "".join(block.text for block in blocks)
+        if text != text.rstrip():
             raise ValueError(
-                f"messages.{len(self.messages) - 1}: a final assistant message (prefill) "
-                "is not supported by ember"
+                f"{where}: final assistant content cannot end with trailing whitespace"
+            )
+        if reasoning:
+            raise ValueError(
+                f"{where}: a final assistant message (prefill) is not supported for a model "
+                "with a reasoning parser"
             )
 
     def _chat_tools(self) -> dict[str, Any]:
