@@ -15,6 +15,7 @@ from ember import LLM, SamplingParams
 from ember.cli import build_parser
 from ember.config import EngineConfig
 from ember.engine.kernels import cpu_kernels
+from ember.engine.padded_rows import padded_rows
 from ember.models.layers import BF16_MIN_ROWS, DECODE_BLOCK_MAX_ROWS, Linear, cpu_has_bf16
 
 NEW_TOKENS = 16
@@ -197,6 +198,58 @@ def test_a_bf16_steps_fused_conversions_change_no_bit(tiny_checkpoint, arch, mon
     handed.clear()
     assert torch.equal(prefill_logits(llm, PROMPTS[3]), fused)
     assert handed.count(torch.float32) == 2 * len(layers) + 1
+
+
+def test_bf16_matmul_inputs_come_over_rows_rounded_to_16(monkeypatch):
+    """oneDNN makes a primitive for each row count a matmul sees (7-12 ms a new count, and
+    its cache grows toward a gigabyte: docs/benchmarks.md). The kernels that make a bf16
+    step's matmul inputs allocate rows rounded up to ROW_QUANTUM, the spare rows zero;
+    Linear multiplies over them and keeps its rows: the same bits as over the exact rows.
+    float32 outputs keep their exact rows."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no ember CPU kernels on this machine")
+    rows, dim = 37, 64
+    norm = kernels.add_rms_norm(torch.randn(rows, dim), None, torch.rand(dim), 1e-6, True)
+    silu = kernels.silu_and_mul(torch.randn(rows, 2 * dim).bfloat16())
+    for made in (norm, silu):
+        assert made.shape == (rows, dim) and made.dtype == torch.bfloat16
+        seen = padded_rows(made)
+        assert seen.shape == (48, dim) and torch.equal(seen[:rows], made)
+        assert not seen[rows:].any()  # zeros, never stale values
+    exact = kernels.add_rms_norm(torch.randn(rows, dim), None, torch.rand(dim), 1e-6, False)
+    assert padded_rows(exact) is exact and padded_rows(norm.clone()).shape[0] == rows
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        torch.ops.mkldnn,
+        "_linear_pointwise",
+        lambda x, *a: calls.append(len(x)) or pointwise(x, *a),
+    )
+    linear = Linear(dim, 96)
+    linear.weight.data = torch.randn(96, dim) / 8
+    linear.pack_for_cpu(bf16_prefill=True)
+    with torch.inference_mode():
+        over_padded, over_exact = linear(norm), linear(norm.clone())
+    assert calls == [48, rows] and over_padded.shape == (rows, 96)
+    assert torch.equal(over_padded, over_exact)
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rounded_rows_change_no_bit_of_a_prefill(tiny_checkpoint, arch, monkeypatch):
+    """Whole prefills (norms, attention, MLP) over rows rounded to ROW_QUANTUM and over
+    their exact rows give the same logits: nothing of the spare rows reaches a real one."""
+    from ember.engine import padded_rows as padding
+
+    llm = LLM(str(tiny_checkpoint(arch)), matmul_precision="bf16", enable_prefix_caching=False,
+              **SMALL_KV)  # fmt: skip
+    for prompt in (PROMPTS[0], PROMPTS[2]):  # 200 and 37 rows: 8 and 11 spare
+        assert len(prompt) % padding.ROW_QUANTUM and len(prompt) >= BF16_MIN_ROWS
+        rounded = prefill_logits(llm, prompt)
+        monkeypatch.setattr(padding, "ROW_QUANTUM", 1)
+        assert torch.equal(prefill_logits(llm, prompt), rounded)
+        monkeypatch.undo()
 
 
 def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):

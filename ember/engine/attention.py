@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ember.engine.padded_rows import empty_padded_rows
+
 
 @dataclass
 class PrefillSeq:
@@ -89,7 +91,11 @@ class TorchSDPABackend(AttentionBackend):
             return self._decode(q, kv_cache, meta, scale).to(q.dtype)
         if not meta.num_decodes and len(meta.prefills) == 1:  # one chunk: no copy into `out`
             return self._prefill(q, k, v, kv_cache, meta.prefills[0], scale)
-        out = torch.empty_like(q)
+        out = (
+            empty_padded_rows(*q.shape, dtype=q.dtype)  # an o_proj matmul reads it next
+            if q.dtype == torch.bfloat16 and not q.is_cuda
+            else torch.empty_like(q)
+        )
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], kv_cache, meta, scale)
         for seq in meta.prefills:

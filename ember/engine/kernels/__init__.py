@@ -46,6 +46,7 @@ _SOURCES = (
 _HEADERS = (
     "simd.h",
     "cache_types.h",
+    "padded_rows.h",
     "int8_rows.h",
     "int8_tiles.inc",
     "prefill_bf16_tile.inc",

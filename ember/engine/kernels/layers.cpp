@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cache_types.h"
+#include "padded_rows.h"
 #include "simd.h"
 
 namespace {
@@ -69,7 +70,8 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
                   weight.numel() == residual.size(1),
               "add_rms_norm: a float32 weight per column");
   const int64_t rows = residual.size(0), dim = residual.size(1);
-  auto out = torch::empty({rows, dim}, residual.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  auto out = bf16_out ? empty_padded_rows(rows, dim, residual.options().dtype(torch::kBFloat16))
+                      : torch::empty({rows, dim}, residual.options());
   const bool bf16_delta = delta.has_value() && delta->dtype() == torch::kBFloat16;
   if (delta.has_value()) {
     TORCH_CHECK(delta->dtype() == torch::kFloat32 || bf16_delta, "add_rms_norm: float32 or bf16 delta");
@@ -232,7 +234,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "silu_and_mul: 2-D [T, 2I] with contiguous rows");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = gate_up.dtype() == torch::kBFloat16 ? empty_padded_rows(rows, inter, gate_up.options())
+                                                 : torch::empty({rows, inter}, gate_up.options());
   if (gate_up.dtype() == torch::kFloat32) {
     silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows, inter);
   } else {

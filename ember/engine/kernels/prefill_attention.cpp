@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "cache_types.h"
+#include "padded_rows.h"
 #include "simd.h"
 
 #if defined(__x86_64__)
@@ -601,7 +602,7 @@ torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_ca
   const auto attend = plain::tile_bf16_for(c.head_dim);
 #endif
   const PairedCache paired = pair_cache(c, key_cache, value_cache, context_len, c.num_key_tiles, name);
-  auto out = torch::empty_like(q);
+  auto out = empty_padded_rows(q.size(0), q.size(1) * q.size(2), q.options()).view(q.sizes());
   const float fscale = static_cast<float>(scale);
   for_each_bf16_tile<kRows>(c, q, out, paired.head_words,
                             [&](const uint16_t* const* rows, c10::BFloat16* const* outs,
@@ -633,7 +634,7 @@ torch::Tensor paged_prefill_attention_amx(torch::Tensor q, torch::Tensor key_cac
   TORCH_CHECK(attend != nullptr && c.head_dim % 32 == 0, name, ": head_dim ", c.head_dim);
   const int64_t key_tiles = (c.num_key_tiles + kBlockTiles - 1) / kBlockTiles * kBlockTiles;
   const PairedCache paired = pair_cache(c, key_cache, value_cache, context_len, key_tiles, name);
-  auto out = torch::empty_like(q);
+  auto out = empty_padded_rows(q.size(0), q.size(1) * q.size(2), q.options()).view(q.sizes());
   const float fscale = static_cast<float>(scale);
   for_each_bf16_tile<amx::kAmxRows>(
       c, q, out, paired.head_words,
