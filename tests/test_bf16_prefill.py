@@ -252,6 +252,35 @@ def test_rounded_rows_change_no_bit_of_a_prefill(tiny_checkpoint, arch, monkeypa
         monkeypatch.undo()
 
 
+def test_an_idle_engine_runs_its_matmuls_at_every_rounded_row_count(tiny_checkpoint, monkeypatch):
+    """Once its KV pages and calibration are done, an idle bf16 engine runs each distinct
+    matmul of its model once at every multiple of ROW_QUANTUM up to its token budget, so
+    that its first step of each size finds oneDNN's primitive made; an exact engine has
+    none to make."""
+    from ember.engine.padded_rows import ROW_QUANTUM
+
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    path = str(tiny_checkpoint("llama"))
+    llm = LLM(path, matmul_precision="bf16", max_num_batched_tokens=64, **SMALL_KV)
+    core = llm.engine.core
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        torch.ops.mkldnn,
+        "_linear_pointwise",
+        lambda x, w, *a: calls.append((len(x), x.shape[1])) or pointwise(x, w, *a),
+    )
+    while core.has_idle_work():
+        core.idle_work()
+    assert core.warmer.done and core.calibrator.done
+    shapes = {(m.weight.shape[1], m.weight.shape[0]) for m in core.warmer.linears}
+    assert len(shapes) == len(core.warmer.linears) >= 4  # qkv, o, gate_up, down (+ head)
+    wanted = {(rows, k) for rows in range(ROW_QUANTUM, 65, ROW_QUANTUM) for k, _ in shapes}
+    assert wanted <= set(calls)
+    exact = LLM(path, matmul_precision="ieee", **SMALL_KV).engine.core
+    assert exact.warmer.done and not exact.warmer.linears
+
+
 def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):
     """On a CPU with AMX (forced here) a bf16 matmul with out_features <= 1024 from
     in_features >= 1024 runs its rows split across the threads, ranges of 112+ rows (200

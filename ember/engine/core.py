@@ -24,6 +24,7 @@ from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner, PendingStep
+from ember.engine.padded_rows import PrimitiveWarmer
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.speculative import make_speculator
@@ -85,6 +86,10 @@ class EngineCore:
             enabled=config.world_size == 1 and self.steps_in_flight == 1
             and self.speculator is None and self.runner.device.type == "cpu",
         )  # fmt: skip
+        # then oneDNN's primitives of every rounded row count a bf16 step can have
+        self.warmer = PrimitiveWarmer(
+            self.runner.model if config.world_size == 1 else None, config.max_num_batched_tokens
+        )
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -293,16 +298,19 @@ class EngineCore:
 
     def has_idle_work(self) -> bool:
         """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter), then
-        the step cost model's calibration (ember.engine.calibration)."""
-        return not self.prefaulter.done or not self.calibrator.done
+        the step cost model's calibration (ember.engine.calibration), then oneDNN's
+        primitives for a bf16 step's row counts (ember.engine.padded_rows)."""
+        return not (self.prefaulter.done and self.calibrator.done and self.warmer.done)
 
     def idle_work(self) -> None:
         """One slice of it (milliseconds; a calibration step, up to a 512-token prefill);
         call only when no step is due."""
         if not self.prefaulter.done:
             self.prefaulter.step()
-        else:
+        elif not self.calibrator.done:
             self.calibrator.step()
+        else:
+            self.warmer.step()
 
     def has_runnable(self) -> bool:
         """Work a step can do now (not only waiting for KV to arrive, or for the cluster

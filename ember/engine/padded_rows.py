@@ -37,3 +37,32 @@ def empty_padded_rows(rows: int, *rest: int, dtype: torch.dtype) -> torch.Tensor
     full = torch.empty((padded, *rest), dtype=dtype)
     full[rows:].zero_()
     return full[:rows]
+
+
+class PrimitiveWarmer:
+    """While the engine is idle, each distinct bf16 matmul of the model (packed weight
+    shape, bias, row split) runs once at every rounded row count a step can have, one
+    row count a `step()`: a fresh server's first step of each size then finds oneDNN's
+    primitive made (it cost 7-12 ms). `done` once every row count has run."""
+
+    def __init__(self, model, max_rows: int) -> None:
+        distinct: dict[tuple, object] = {}
+        for module in model.modules() if model is not None else ():
+            packed = getattr(module, "packed", None)
+            if getattr(module, "bf16_prefill", False) and packed is not None:
+                key = (tuple(module.weight.shape), module.bias is None, module.split_rows is None)
+                distinct.setdefault(key, module)
+        self.linears = list(distinct.values())
+        self._rows = list(range(ROW_QUANTUM, max_rows + ROW_QUANTUM, ROW_QUANTUM))
+        if not self.linears:
+            self._rows = []
+
+    @property
+    def done(self) -> bool:
+        return not self._rows
+
+    def step(self) -> None:
+        rows = self._rows.pop(0)
+        with torch.inference_mode():
+            for linear in self.linears:
+                linear(torch.zeros(rows, linear.weight.shape[1], dtype=torch.bfloat16))
