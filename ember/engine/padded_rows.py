@@ -15,6 +15,10 @@ import torch
 ROW_QUANTUM = 16
 
 
+def rounded(rows: int) -> int:
+    return -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+
+
 def padded_rows(x: torch.Tensor) -> torch.Tensor:
     """bf16 x [rows, cols] seen over its rows rounded up to ROW_QUANTUM where its storage
     holds them (made by `empty_padded_rows` or the kernels' own), else x itself (float32
@@ -22,7 +26,7 @@ def padded_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         return x
     rows, cols = x.shape
-    padded = -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+    padded = rounded(rows)
     if padded == rows or x.storage_offset() != 0 or not x.is_contiguous():
         return x
     if x.untyped_storage().nbytes() < padded * cols * x.element_size():
@@ -33,8 +37,7 @@ def padded_rows(x: torch.Tensor) -> torch.Tensor:
 def empty_padded_rows(rows: int, *rest: int, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty((rows, *rest)) over storage for rows rounded up to ROW_QUANTUM, the spare
     rows zeroed (as the kernels' padded_rows.h)."""
-    padded = -(-rows // ROW_QUANTUM) * ROW_QUANTUM
-    full = torch.empty((padded, *rest), dtype=dtype)
+    full = torch.empty((rounded(rows), *rest), dtype=dtype)
     full[rows:].zero_()
     return full[:rows]
 
@@ -48,14 +51,13 @@ class PrimitiveWarmer:
     def __init__(self, model, max_rows: int) -> None:
         distinct: dict[tuple, object] = {}
         for module in model.modules() if model is not None else ():
-            packed = getattr(module, "packed", None)
-            if getattr(module, "bf16_prefill", False) and packed is not None:
+            if getattr(module, "bf16_prefill", False) and module.packed is not None:
                 key = (tuple(module.weight.shape), module.bias is None, module.split_rows is None)
                 distinct.setdefault(key, module)
         self.linears = list(distinct.values())
-        self._rows = list(range(ROW_QUANTUM, max_rows + ROW_QUANTUM, ROW_QUANTUM))
-        if not self.linears:
-            self._rows = []
+        self._rows = (
+            list(range(ROW_QUANTUM, rounded(max_rows) + 1, ROW_QUANTUM)) if self.linears else []
+        )
 
     @property
     def done(self) -> bool:

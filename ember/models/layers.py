@@ -435,7 +435,6 @@ def _cpu_flags() -> set[str]:
 # 512-token prefill 55-82 ms whole against 108-117 split. So it splits on two threads
 # (or one, where there is nothing to split), never more.
 SPLIT_MIN_PART_ROWS = 112
-
 SPLIT_MAX_THREADS = 2
 SPLIT_MAX_OUT, SPLIT_MIN_IN = 1024, 1024
 

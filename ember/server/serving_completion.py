@@ -48,14 +48,9 @@ class CompletionServing(ServingBase):
             if len(prompts) != 1:
                 raise APIError(400, "resume_params needs exactly one prompt", "prompt")
             params.prompt_logprobs = None  # sent with the stream's first chunk already
+        special, truncation = request.add_special_tokens, request.truncation()
         processed = [
-            await self.check_prompt(
-                p,
-                params,
-                add_special_tokens=request.add_special_tokens,
-                truncation=request.truncation(),
-            )  # fmt: skip
-            for p in prompts
+            await self.check_prompt(p, params, "prompt", special, truncation) for p in prompts
         ]
         request_id = new_id("cmpl")
         prompts_by_id = {f"{request_id}-{i}": p for i, p in enumerate(processed)}
