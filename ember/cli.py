@@ -191,6 +191,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the step budget never cuts a step's prefill below this (default %(default)s)",
     )
     parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "shortest"),
+        default=d.scheduling_policy,
+        help="which prompt gets a step's prefill tokens first: fcfs (arrival order) or "
+        "shortest (the highest response ratio, (wait + prefill left) / prefill left: "
+        "short prompts pass long ones, and a prompt's turn comes as it waits) "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--speculative-method",
         default=None,
         choices=SPECULATIVE_METHODS,
@@ -374,6 +383,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         dist_init_addr=args.dist_init_addr,
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching,
         speculative_method=args.speculative_method,
         speculative_model=args.speculative_model,

@@ -345,6 +345,10 @@ class EngineConfig:
     # never below min_prefill_tokens, so long prompts keep moving
     max_step_ms: float = 250.0
     min_prefill_tokens: int = 16
+    # which prompt a step's prefill budget goes to first: "shortest" (highest response
+    # ratio: a short prompt before a long one, none starved; see Scheduler) or "fcfs"
+    # (arrival order). Measured on the conversation trace: TTFT p90 lower in 5 of 6 pairs
+    scheduling_policy: str = "shortest"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
     # CPU steps of 16+ tokens (prefill, large decode batches): "ieee" (exact fp32), "bf16"
@@ -481,6 +485,10 @@ class EngineConfig:
             raise ValueError(
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max; got "
                 f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "shortest"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'shortest', got {self.scheduling_policy!r}"
             )
         if not self.max_step_ms >= 0:
             raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms!r}")

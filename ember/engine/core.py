@@ -75,6 +75,7 @@ class EngineCore:
             # a pipelined step's time is not its own: no step budget
             max_step_ms=config.max_step_ms if self.steps_in_flight == 1 else 0.0,
             min_prefill_tokens=config.min_prefill_tokens,
+            policy=config.scheduling_policy,
         )
         self.step_stats = StepStats()
         self.speculator = make_speculator(

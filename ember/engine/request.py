@@ -71,6 +71,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1: not admitted yet
         self.num_loaded_end = 0  # while WAITING_FOR_KV: the prompt tokens computed once loaded
+        self.prefix_hit_hint = -1  # policy "shortest": its cached prefix when first ordered
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV-cache manager
         self.num_preemptions = 0

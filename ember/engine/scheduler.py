@@ -1,9 +1,16 @@
 """Continuous batching under a per-step token budget.
 
-Each step the scheduler decides how many tokens of each request to compute:
-running requests first (decodes and unfinished prefill chunks, in admission order),
-then waiting requests in arrival order (FCFS) while the budget, `max_num_seqs` and the
-KV cache allow. A prefix-cache hit simply admits a request with tokens already computed.
+Each step the scheduler decides how many tokens of each request to compute. Under
+policy "fcfs": running requests first (decodes and unfinished prefill chunks, in
+admission order), then waiting requests in arrival order while the budget,
+`max_num_seqs` and the KV cache allow. A prefix-cache hit simply admits a request with tokens already computed.
+
+Policy "shortest" orders the prompts still to compute, running ones' chunks and waiting
+ones alike, by their response ratio (highest first): (time waited + prefill time left) /
+prefill time left, the prefill time from the step cost model. A short prompt goes before
+a long one that arrived a moment earlier, so one long prompt no longer holds up the
+first tokens of every short one behind it; and since a prompt's ratio grows with its
+wait, none waits for ever. Decodes are scheduled first under either policy.
 
 Decodes (requests computing one token) are always scheduled; while any run, the tokens
 of prefill chunks are capped so that the step's predicted time (`StepCostModel`) stays
@@ -103,6 +110,15 @@ class _Budget:
         self.num_tokens -= num_new
         return num_new
 
+    def give_back(self, num_new: int) -> None:
+        """Returns what `take` gave, for a request that could not use it."""
+        self.num_tokens += num_new
+        if num_new > 1:
+            self.num_prefill_tokens += num_new
+
+
+SCHEDULING_POLICIES = ("fcfs", "shortest")
+
 
 @dataclass
 class TokenUpdate:
@@ -128,7 +144,13 @@ class Scheduler:
         cost_model: StepCostModel | None = None,
         max_step_ms: float = 0.0,
         min_prefill_tokens: int = 1,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}"
+            )
+        self.policy = policy
         self.kv_cache = kv_cache
         self.connector = connector
         self.cost_model = cost_model
@@ -197,10 +219,54 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._budget(out)
         limit = max_scheduled if max_scheduled is not None else len(self.requests) + 1
-        self._schedule_running(out, budget, drafts or {}, busy, limit)
+        later = self._order_prompts(busy) if self.policy == "shortest" else set()
+        self._schedule_running(out, budget, drafts or {}, busy, limit, later)
         if not out.preempted and not (busy and out.blocked):
             self._schedule_waiting(out, budget, limit)
+            if later:  # the running prompts that waiting ones went before, if room is left
+                self._schedule_running(out, budget, {}, busy, limit, later, second=True)
         return out
+
+    def _order_prompts(self, busy: dict[str, int]) -> set[str]:
+        """Policy "shortest": sorts the waiting requests by response ratio and returns the
+        running prompts (ids) that the first of them goes before."""
+        if not self.waiting:
+            return set()
+        now = time.monotonic()
+        # prefill time per token at a full chunk, as this machine's steps measured it
+        full = self.max_num_batched_tokens
+        ms_per_token = (
+            max(self.cost_model.predict_ms(StepShape(full)) / full, 1e-6)
+            if (self.cost_model is not None)
+            else 1.0
+        )
+
+        def ratio(request: Request, num_left: int) -> float:
+            left_ms = max(num_left, 1) * ms_per_token
+            return ((now - request.arrival_time) * 1000.0 + left_ms) / left_ms
+
+        for request in self.waiting:
+            if request.prefix_hit_hint < 0:  # once: the cache may change, this is a hint
+                hit = 0 if request.needs_prompt_logprobs else self._cached_tokens(request)
+                request.prefix_hit_hint = hit
+        ratios = {
+            r.request_id: ratio(r, r.num_tokens - max(r.num_computed_tokens, r.prefix_hit_hint))
+            for r in self.waiting
+        }
+        self.waiting = deque(sorted(self.waiting, key=lambda r: ratios[r.request_id], reverse=True))
+        first = ratios[self.waiting[0].request_id]
+        later = set()
+        for request in self.running:
+            left = (
+                request.num_tokens - request.num_computed_tokens - busy.get(request.request_id, 0)
+            )
+            if left > 1 and ratio(request, left) < first:
+                later.add(request.request_id)
+        return later
+
+    def _cached_tokens(self, request: Request) -> int:
+        _, num_hit = self.kv_cache.get_computed_blocks(request)
+        return num_hit
 
     def _budget(self, out: SchedulerOutput) -> _Budget:
         """This step's tokens: one for every decode, the rest for prefill chunks, which the
@@ -225,10 +291,17 @@ class Scheduler:
         drafts: dict[str, list[int]],
         busy: dict[str, int],
         limit: int,
+        later: set[str] = frozenset(),
+        second: bool = False,
     ) -> None:
+        """The running requests' work; those in `later` (prompts that waiting ones go
+        before) only in the `second` pass, which takes blocks where free and preempts none."""
         i = 0
         while i < len(self.running) and budget.num_tokens > 0 and len(out.scheduled) < limit:
             request = self.running[i]
+            if (request.request_id in later) != second:
+                i += 1
+                continue
             in_flight = busy.get(request.request_id, 0)
             left = request.num_tokens - request.num_computed_tokens - in_flight
             if left < 1:  # its step in flight samples: its next token is not known yet
@@ -245,6 +318,9 @@ class Scheduler:
                 spec = []
             if not spec:
                 while self.kv_cache.allocate_slots(request, in_flight + num_new) is None:
+                    if second:  # after the waiting ones, with the blocks they left
+                        budget.give_back(num_new)
+                        return
                     if busy:  # the steps in flight may free blocks: wait, preempt nothing
                         out.blocked = True
                         return
