@@ -93,7 +93,9 @@ def test_ranks_survive_preemption(tiny_checkpoint, ranks: dict, share: int) -> N
     block_bytes = 2 * 16 * 2 * 2 * 16 * 4  # layers x tokens x (k, v) x KV heads x dim x fp32
     blocks = 7  # of the 12 the three sequences need at once
     # no step budget: its chunk sizes follow measured step times, and preemptions with them
-    options = dict(max_tokens=24, max_model_len=96, max_step_ms=0)
+    # arrival order, whose first prompt takes the blocks the others then preempt it for
+    # (shortest first admits the short ones, and the long one waits for their blocks)
+    options = dict(max_tokens=24, max_model_len=96, max_step_ms=0, scheduling_policy="fcfs")
     single, (preempted, _) = _run(path, kv_cache_memory=blocks * block_bytes, **options)
     # kv_cache_memory is per rank: `share` of a block's bytes are on each
     parallel, (preempted_n, _) = _run(
