@@ -15,13 +15,14 @@
 # its prompts are shorter than ember's, which describes them in the system prompt). $EMBER_ARGS and $VLLM_DTYPE (default bfloat16) pick each side's
 # mode; with $EMBER_B_ARGS set, a second ember server ("emberB", port 8201) runs with
 # those flags (and the environment assignments in $EMBER_B_ENV, e.g. EMBER_CPU_ISA=avx2)
-# as a third side: two ember settings against each other and vLLM at once.
+# as a third side: two ember settings against each other and vLLM at once. $EMBER_LOG_LEVEL
+# (default WARNING) is the first ember server's log level (its log: /tmp/peer/ember.log).
 # Results: /tmp/peer/<workload>-<round>-<side>.json and one line per run.
 set -u
 VLLM_PY=$1 HF_DIR=$(realpath "$2") ROUNDS=${3:-2} WORKLOADS=${4:-random agentic trace}
 PY=$PWD/.venv/bin/python
 mkdir -p /tmp/peer
-EMBER_LOG_LEVEL=WARNING $PY -m ember.cli serve --port 8200 --kv-cache-memory 1G \
+EMBER_LOG_LEVEL=${EMBER_LOG_LEVEL:-WARNING} $PY -m ember.cli serve --port 8200 --kv-cache-memory 1G \
     --max-model-len 4096 ${EMBER_ARGS:-} > /tmp/peer/ember.log 2>&1 &
 EMBER=$!
 SIDES="ember vllm" EMBER_B=

@@ -4,10 +4,14 @@ requests served are as if it had not."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+import torch
 
 from ember.config import EngineConfig
+from ember.engine import calibration
 from ember.engine.calibration import SCRIPT
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
@@ -137,3 +141,91 @@ def test_a_failing_step_drops_the_script_and_the_engine_serves_on(make_core, mon
     monkeypatch.undo()
     tokens, _ = serve(core, [[3 + i for i in range(20)]])
     assert len(tokens[0]) == PARAMS.max_tokens
+
+
+class SharedCpu:
+    """time.process_time and time.monotonic for the calibration: while `busy`, the process
+    gets no CPU time (another one has it); otherwise exactly its threads' wall time. The
+    monotonic clock moves only when told."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.cpu = 0.0
+        self.now = 1000.0
+        self._last = time.perf_counter()
+
+    def process_time(self) -> float:
+        wall = time.perf_counter()
+        if not self.busy:
+            self.cpu += (wall - self._last) * torch.get_num_threads()
+        self._last = wall
+        return self.cpu
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def shared_cpu(monkeypatch) -> SharedCpu:
+    cpu = SharedCpu()
+    monkeypatch.setattr(calibration.time, "process_time", cpu.process_time)
+    monkeypatch.setattr(calibration.time, "monotonic", cpu.monotonic)
+    monkeypatch.setattr(calibration, "MIN_JUDGED_MS", 0.0)  # the tiny model's steps are short
+    return cpu
+
+
+def test_a_step_timed_while_the_cpu_is_shared_runs_again_later(make_core, shared_cpu):
+    """A busy neighbour during an observed step: the step is not observed, the script
+    waits out the backoff (the engine has no idle work then) and runs it again."""
+    core = make_core()
+    while not core.prefaulter.done:
+        core.idle_work()
+    free = core.kv_cache.num_free_blocks
+    times = []
+    observe = core.step_cost.observe
+    core.step_cost.observe = lambda shape, ms: (times.append(ms), observe(shape, ms))
+    core.idle_work()  # the warm-up step (not observed)
+    shared_cpu.busy = True
+    core.idle_work()  # the first observed step, beside a busy process
+    assert times == [] and core.calibrator.num_contended == 1
+    assert not core.calibrator.ready and not core.calibrator.done
+    while core.has_idle_work():  # the rest of the idle work goes on meanwhile
+        core.idle_work()
+    assert core.warmer.done and not core.calibrator.done
+    shared_cpu.busy = False
+    shared_cpu.now += calibration.BACKOFF_S[0] * 1.5  # the longest jittered wait
+    assert core.calibrator.ready and core.has_idle_work()
+    idle(core)
+    observed = sum(step.observe for step in SCRIPT)
+    assert core.calibrator.done and len(times) == core.calibrator.num_observed == observed
+    assert core.calibrator.num_contended == 1
+    assert core.kv_cache.num_free_blocks == free and core.kv_cache.check_integrity()
+
+
+def test_on_a_box_that_stays_busy_the_steps_are_observed_as_they_come(make_core, shared_cpu):
+    core = make_core()
+    shared_cpu.busy = True
+    for _ in range(1000):
+        if core.calibrator.done:
+            break
+        if core.has_idle_work():
+            core.idle_work()
+        else:
+            shared_cpu.now += 10.0  # past any backoff
+    assert core.calibrator.done
+    assert core.calibrator.num_contended == len(calibration.BACKOFF_S)
+    assert core.calibrator.num_observed == sum(step.observe for step in SCRIPT)
+
+
+def test_a_request_during_the_backoff_drops_the_script(make_core, shared_cpu):
+    core = make_core()
+    while not core.prefaulter.done:
+        core.idle_work()
+    free = core.kv_cache.num_free_blocks
+    shared_cpu.busy = True
+    core.idle_work()
+    core.idle_work()  # contended: waits
+    assert not core.calibrator.ready and core.kv_cache.num_free_blocks < free
+    tokens, _ = serve(core, [[3 + i for i in range(20)]])
+    assert len(tokens[0]) == PARAMS.max_tokens
+    assert core.calibrator.done and core.kv_cache.num_free_blocks == free

@@ -19,6 +19,18 @@ arrives meanwhile waits for at most the step under way (~130 ms on the dev box f
 512-token one); the script is dropped then, its blocks given back, and never resumes:
 from there on the served steps teach the model.
 
+A step timed while another process had part of the CPU says nothing about this machine:
+beside one busy process a 512-token prefill took 5x its time on the 2-core dev box, and a
+fresh server started beside another (a second engine, vLLM loading) learned costs
+1.5-3x its own and capped its first served chunks by them. So an observed step whose
+threads got under CONTENDED_SHARE of their CPU time (the process's CPU seconds over the
+step's wall time x threads: 0.97-1.0 alone, 0.6 beside one busy process, 0.5 beside two)
+is not observed but run again later, after BACKOFF_S (jittered; the idle work goes on
+meanwhile); once those are spent the box is taken as busy and its steps observed as they
+come. (A fresh server started beside vLLM, which kept the CPU busy for ~80 s loading:
+seven reruns, then the load came and dropped the script; its first steps learned from
+the prior, no worse than from the busy steps.)
+
 Only a single process's plain CPU engine calibrates: no ranks, no pipeline, no
 speculative decoding (CUDA engines would take the same steps, but that is not yet checked
 on a GPU). A step that fails drops the script with a warning; the engine serves on.
@@ -27,9 +39,12 @@ on a GPU). A step that fails drops the script with a warning; the engine serves 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request
@@ -40,6 +55,14 @@ from ember.sampling_params import SamplingParams
 logger = logging.getLogger("ember.engine")
 
 PROMPT_TOKENS = 512  # the first two prompts; the third comes in two chunks of half
+# an observed step whose threads had less than this share of their CPU time ran beside
+# another busy process (measured on the dev box, SmolLM2: 0.97-1.0 alone, 0.57-0.61 beside
+# one process spinning on a core, 0.45-0.5 beside two)
+CONTENDED_SHARE = 0.85
+# steps shorter than this spend too much of their time waking threads to be judged
+MIN_JUDGED_MS = 10.0
+# the waits before each rerun of a step taken while the CPU was shared; then it is observed
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 30.0, 30.0)  # two minutes in all
 
 
 @dataclass(frozen=True)
@@ -95,10 +118,17 @@ class Calibrator:
             for i in range(3)
         ]
         self.num_observed = 0
+        self.num_contended = 0  # steps run again because the CPU was shared
+        self._resume_at = 0.0  # time.monotonic() before which no step runs (a backoff)
 
     @property
     def done(self) -> bool:
         return not self._left
+
+    @property
+    def ready(self) -> bool:
+        """A step is left and may run now (not waiting out a busy CPU)."""
+        return bool(self._left) and time.monotonic() >= self._resume_at
 
     def drop(self) -> None:
         """Gives up what is left (a request arrived) and gives the blocks back."""
@@ -121,12 +151,17 @@ class Calibrator:
             if out is None:  # the pool is in use after all: leave it to requests
                 self._end()
                 return
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             sampled = self.runner.execute(out).sampled()
-            measured_ms = (time.perf_counter() - start) * 1e3
+            wall = time.perf_counter() - start
+            share = (time.process_time() - cpu) / (wall * torch.get_num_threads())
+            measured_ms = wall * 1e3
         except Exception:  # never the engine's end: the served steps will teach the model
             logger.warning("step cost calibration failed; dropped", exc_info=True)
             self._end()
+            return
+        if script.observe and self._contended(measured_ms, share):
+            self._left.appendleft(script)  # again later: the requests have not moved on
             return
         shape = out.shape()  # before the requests move on
         for sched in out.scheduled:
@@ -143,6 +178,23 @@ class Calibrator:
                 "step cost calibrated on %d steps: %s", self.num_observed,
                 self.cost_model.coefficients.round(3).tolist(),
             )  # fmt: skip
+
+    def _contended(self, measured_ms: float, share: float) -> bool:
+        """Whether a step's time was another process's as much as this machine's, with a
+        rerun left for it (then the next waits out the backoff)."""
+        if share >= CONTENDED_SHARE or measured_ms < MIN_JUDGED_MS:
+            return False
+        if self.num_contended >= len(BACKOFF_S):
+            return False  # a busy box: its steps are what serving will see
+        # jittered: engines started together (whose steps share the CPU) drift apart
+        wait = BACKOFF_S[self.num_contended] * (1.0 + random.random() / 2)
+        self.num_contended += 1
+        self._resume_at = time.monotonic() + wait
+        logger.debug(
+            "calibration step of %.1f ms had %.0f%% of its threads' CPU time: again in %.1f s",
+            measured_ms, 100 * share, wait,
+        )  # fmt: skip
+        return True
 
     def _schedule(self, script: Step) -> SchedulerOutput | None:
         """The step's rows with their blocks (None: the pool has none to spare)."""

@@ -299,18 +299,19 @@ class EngineCore:
 
     def has_idle_work(self) -> bool:
         """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter), then
-        the step cost model's calibration (ember.engine.calibration), then oneDNN's
-        primitives for a bf16 step's row counts (ember.engine.padded_rows)."""
-        return not (self.prefaulter.done and self.calibrator.done and self.warmer.done)
+        the step cost model's calibration (ember.engine.calibration; not while it waits
+        for a busy CPU to settle), then oneDNN's primitives for a bf16 step's row counts
+        (ember.engine.padded_rows)."""
+        return not self.prefaulter.done or self.calibrator.ready or not self.warmer.done
 
     def idle_work(self) -> None:
         """One slice of it (milliseconds; a calibration step, up to a 512-token prefill);
         call only when no step is due."""
         if not self.prefaulter.done:
             self.prefaulter.step()
-        elif not self.calibrator.done:
+        elif self.calibrator.ready:
             self.calibrator.step()
-        else:
+        elif not self.warmer.done:
             self.warmer.step()
 
     def has_runnable(self) -> bool:
