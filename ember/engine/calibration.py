@@ -120,6 +120,7 @@ class Calibrator:
         self.num_observed = 0
         self.num_contended = 0  # steps run again because the CPU was shared
         self._resume_at = 0.0  # time.monotonic() before which no step runs (a backoff)
+        self._jitter = random.Random()  # its own: the process's random state is left alone
 
     @property
     def done(self) -> bool:
@@ -187,7 +188,7 @@ class Calibrator:
         if self.num_contended >= len(BACKOFF_S):
             return False  # a busy box: its steps are what serving will see
         # jittered: engines started together (whose steps share the CPU) drift apart
-        wait = BACKOFF_S[self.num_contended] * (1.0 + random.random() / 2)
+        wait = BACKOFF_S[self.num_contended] * (1.0 + self._jitter.random() / 2)
         self.num_contended += 1
         self._resume_at = time.monotonic() + wait
         logger.debug(
