@@ -21,7 +21,12 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that runs a model."""
-    from ember.config import KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
+    from ember.config import (
+        KV_CACHE_DTYPES,
+        SCHEDULING_POLICIES,
+        SPECULATIVE_METHODS,
+        EngineConfig,
+    )
 
     d = EngineConfig()
     add_model_arg(parser)
@@ -192,7 +197,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduling-policy",
-        choices=("fcfs", "shortest"),
+        choices=SCHEDULING_POLICIES,
         default=d.scheduling_policy,
         help="which prompt gets a step's prefill tokens first: fcfs (arrival order) or "
         "shortest (the highest response ratio, (wait + prefill left) / prefill left: "

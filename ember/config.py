@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 # speculative decoding's proposers (ember.engine.speculative.METHODS)
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle3", "mtp")
+# which prompt a step's prefill tokens go to first (ember.engine.scheduler)
+SCHEDULING_POLICIES = ("shortest", "fcfs")
 # methods whose speculative_model is the drafter (eagle3: a head over the model's states)
 SPECULATIVE_MODEL_METHODS = ("draft", "eagle3")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -486,9 +488,10 @@ class EngineConfig:
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max; got "
                 f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"
             )
-        if self.scheduling_policy not in ("fcfs", "shortest"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'shortest', got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         if not self.max_step_ms >= 0:
             raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms!r}")

@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ember.config import SCHEDULING_POLICIES
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
 from ember.engine.step_cost import StepCostModel, StepShape
@@ -115,9 +116,6 @@ class _Budget:
         self.num_tokens += num_new
         if num_new > 1:
             self.num_prefill_tokens += num_new
-
-
-SCHEDULING_POLICIES = ("fcfs", "shortest")
 
 
 @dataclass
