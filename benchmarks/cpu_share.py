@@ -11,34 +11,23 @@ alone again.
 
 from __future__ import annotations
 
-import random
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from ember import LLM, SamplingParams
+from ember import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mixed_steps import settled_llm  # noqa: E402
 
 
 def main() -> None:
-    llm = LLM(
-        None,
-        matmul_precision="bf16",
-        kv_cache_memory=1 << 30,
-        max_model_len=4096,
-        enable_prefix_caching=False,
-        max_step_ms=0,
-    )
+    llm, prompt = settled_llm()
     engine = llm.engine
-    rng = random.Random(0)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randint(1000, 40000) for _ in range(n)]
-
-    llm.generate([prompt(300)], SamplingParams(max_tokens=4))
-    while engine.core.has_idle_work():
-        engine.core.idle_work()
     one = SamplingParams(max_tokens=1, temperature=0)
     decode = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 

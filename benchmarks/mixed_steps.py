@@ -20,9 +20,32 @@ import pstats
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import ember.models.layers as layers
 from ember import LLM, SamplingParams
+
+
+def settled_llm() -> tuple[LLM, Callable[[int], list[int]]]:
+    """The default model in bf16 (no step budget, no prefix cache), its idle work done,
+    and a maker of random prompts of n tokens."""
+    llm = LLM(
+        None,
+        matmul_precision="bf16",
+        kv_cache_memory=1 << 30,
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        max_step_ms=0,
+    )
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randint(1000, 40000) for _ in range(n)]
+
+    llm.generate([prompt(300)], SamplingParams(max_tokens=4))
+    while llm.engine.core.has_idle_work():
+        llm.engine.core.idle_work()
+    return llm, prompt
 
 
 def main() -> None:
@@ -32,23 +55,8 @@ def main() -> None:
     p.add_argument("--tile-rows", type=int, default=0)
     p.add_argument("--profile", type=int, default=0)
     args = p.parse_args()
-    llm = LLM(
-        None,
-        matmul_precision="bf16",
-        kv_cache_memory=1 << 30,
-        max_model_len=4096,
-        enable_prefix_caching=False,
-        max_step_ms=0,
-    )
+    llm, prompt = settled_llm()
     engine = llm.engine
-    rng = random.Random(0)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randint(1000, 40000) for _ in range(n)]
-
-    llm.generate([prompt(300)], SamplingParams(max_tokens=4))
-    while engine.core.has_idle_work():
-        engine.core.idle_work()
     if args.tile_rows:
         layers.BF16_MIN_ROWS = args.tile_rows + 1
         layers.BLOCK_GEMM_MAX_ROWS = args.tile_rows

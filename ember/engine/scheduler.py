@@ -233,26 +233,25 @@ class Scheduler:
         now = time.monotonic()
         # prefill time per token at a full chunk, as this machine's steps measured it
         full = self.max_num_batched_tokens
-        ms_per_token = (
-            max(self.cost_model.predict_ms(StepShape(full)) / full, 1e-6)
-            if (self.cost_model is not None)
-            else 1.0
-        )
+        ms_per_token = 1.0
+        if self.cost_model is not None:
+            ms_per_token = max(self.cost_model.predict_ms(StepShape(full)) / full, 1e-6)
 
         def ratio(request: Request, num_left: int) -> float:
             left_ms = max(num_left, 1) * ms_per_token
             return ((now - request.arrival_time) * 1000.0 + left_ms) / left_ms
 
-        for request in self.waiting:
+        def waiting_ratio(request: Request) -> float:
             if request.prefix_hit_hint < 0:  # once: the cache may change, this is a hint
-                hit = 0 if request.needs_prompt_logprobs else self._cached_tokens(request)
+                hit = 0
+                if not request.needs_prompt_logprobs:
+                    _, hit = self.kv_cache.get_computed_blocks(request)
                 request.prefix_hit_hint = hit
-        ratios = {
-            r.request_id: ratio(r, r.num_tokens - max(r.num_computed_tokens, r.prefix_hit_hint))
-            for r in self.waiting
-        }
-        self.waiting = deque(sorted(self.waiting, key=lambda r: ratios[r.request_id], reverse=True))
-        first = ratios[self.waiting[0].request_id]
+            computed = max(request.num_computed_tokens, request.prefix_hit_hint)
+            return ratio(request, request.num_tokens - computed)
+
+        self.waiting = deque(sorted(self.waiting, key=waiting_ratio, reverse=True))
+        first = waiting_ratio(self.waiting[0])
         later = set()
         for request in self.running:
             left = (
@@ -261,10 +260,6 @@ class Scheduler:
             if left > 1 and ratio(request, left) < first:
                 later.add(request.request_id)
         return later
-
-    def _cached_tokens(self, request: Request) -> int:
-        _, num_hit = self.kv_cache.get_computed_blocks(request)
-        return num_hit
 
     def _budget(self, out: SchedulerOutput) -> _Budget:
         """This step's tokens: one for every decode, the rest for prefill chunks, which the
