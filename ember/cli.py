@@ -182,6 +182,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="sequences per step (default %(default)s)",
     )
     parser.add_argument(
+        "--max-prefill-step-tokens",
+        type=int,
+        default=d.max_prefill_step_tokens,
+        help="with no sequence decoding, a step may take up to this many tokens for prompts "
+        "that then finish their prefill in it (one step for a burst of prompts, not two); "
+        "at most --max-num-batched-tokens turns it off (default %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=d.batch_wait_ms,
+        help="an idle engine that gets a request while the server is still tokenizing "
+        "others waits up to this long for them, so that requests that came together share "
+        "a step; 0: never waits (default %(default)s)",
+    )
+    parser.add_argument(
         "--max-step-ms",
         type=float,
         default=d.max_step_ms,
@@ -388,6 +404,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         dist_init_addr=args.dist_init_addr,
         max_step_ms=args.max_step_ms,
         min_prefill_tokens=args.min_prefill_tokens,
+        max_prefill_step_tokens=args.max_prefill_step_tokens,
+        batch_wait_ms=args.batch_wait_ms,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching,
         speculative_method=args.speculative_method,

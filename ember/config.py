@@ -341,6 +341,15 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     max_model_len: int | None = None  # None: the model's own context length
     max_num_batched_tokens: int = 512
+    # with no sequence decoding, a step may go past max_num_batched_tokens, up to this
+    # many tokens, for prompts that then finish their prefill in it (a burst of prompts
+    # sharing a prefix, or a few short ones: one step, not two); at most
+    # max_num_batched_tokens: off
+    max_prefill_step_tokens: int = 2048
+    # an idle engine that gets a request while the server is still tokenizing others
+    # waits up to this long for them, so that requests that came together share a step
+    # (0: never waits; see EngineCore.hold_ms)
+    batch_wait_ms: float = 25.0
     max_num_seqs: int = 64
     # the step budget: while decodes run, prefill chunks shrink so that a step's predicted
     # time stays within max_step_ms (0: off, chunks fill max_num_batched_tokens), but
@@ -451,6 +460,11 @@ class EngineConfig:
     dist_init_addr: str | None = None
 
     @property
+    def max_step_tokens(self) -> int:
+        """The most tokens any step computes (what per-step buffers are sized for)."""
+        return max(self.max_num_batched_tokens, self.max_prefill_step_tokens)
+
+    @property
     def world_size(self) -> int:
         """The processes (ranks) one model runs over."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
@@ -466,6 +480,7 @@ class EngineConfig:
 
             check_parallel_config(self)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_prefill_step_tokens", self.max_prefill_step_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("min_prefill_tokens", self.min_prefill_tokens)
         _positive("num_speculative_tokens", self.num_speculative_tokens)
@@ -493,6 +508,8 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ValueError(f"batch_wait_ms must be in [0, 1000], got {self.batch_wait_ms!r}")
         if not self.max_step_ms >= 0:
             raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms!r}")
         if self.kv_cache_memory is not None:

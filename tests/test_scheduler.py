@@ -53,9 +53,13 @@ def make_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     policy: str = "fcfs",
+    max_prefill_step_tokens: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(kv, max_num_batched_tokens, max_num_seqs, max_model_len, policy=policy)
+    return Scheduler(
+        kv, max_num_batched_tokens, max_num_seqs, max_model_len, policy=policy,
+        max_prefill_step_tokens=max_prefill_step_tokens,
+    )  # fmt: skip
 
 
 def tokens(start: int, n: int) -> list[int]:
@@ -85,7 +89,11 @@ class FakeRunner:
     def execute(self, out: SchedulerOutput) -> list[Request]:
         """Runs one scheduled step, samples, and applies it; returns the finished requests."""
         scheduler = self.scheduler
-        assert out.num_scheduled_tokens <= scheduler.max_num_batched_tokens
+        if out.num_scheduled_tokens > scheduler.max_num_batched_tokens:
+            # past the budget only with no decodes, for prompts that finish in the step
+            # (but for the one chunk the budget itself ends in)
+            assert out.num_scheduled_tokens <= scheduler.max_prefill_step_tokens
+            assert sum(not s.samples for s in out.scheduled) <= 1
         assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
         assert len(scheduler.running) <= scheduler.max_num_seqs
         for sched in out.scheduled:
@@ -496,6 +504,7 @@ def workloads(draw):
         max_num_batched_tokens=draw(st.integers(1, 20)),
         max_num_seqs=draw(st.integers(1, 5)),
         enable_prefix_caching=draw(st.booleans()),
+        max_prefill_step_tokens=draw(st.sampled_from([0, 0, 12, 40])),
     )
     add = st.tuples(
         st.just("add"),
@@ -519,6 +528,8 @@ def workloads(draw):
 
 def check_step_rules(scheduler: Scheduler, out: SchedulerOutput, running_before, waiting_before):
     num_preempted = len(out.preempted)
+    if out.num_scheduled_tokens > scheduler.max_num_batched_tokens:  # none was decoding
+        assert all(r.num_tokens - r.num_computed_tokens > 1 for r in running_before)
     assert out.preempted == running_before[::-1][:num_preempted]  # newest first
     for request in out.preempted:
         assert request.num_computed_tokens == 0 and request.status == RequestStatus.WAITING

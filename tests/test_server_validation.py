@@ -144,12 +144,17 @@ def test_edge_values_are_served(server):
 
 
 def test_bad_requests_leak_nothing_and_never_lock_the_queue(server):
+    too_long = {"prompt": "hi " * 600}  # refused after tokenizing (max_model_len 512)
     for i in range(30):  # the queue limit is 4: each leak used to hold a slot for ever
-        bad = [{"seed": 2**70}, {"stop_token_ids": [10**30]}, {"cache_salt": "\ud800"}][i % 3]
+        bad = [
+            {"seed": 2**70}, {"stop_token_ids": [10**30]}, {"cache_salt": "\ud800"},
+            {"stop_token_ids": [512]}, too_long,
+        ][i % 5]  # fmt: skip
         assert post(server, {**TEXT, **bad}).status_code == 400
     assert post(server, TEXT).status_code == 200
     load = server.wait_idle()
     assert load["num_waiting"] == load["num_running"] == load["kv_blocks_used"] == 0
+    assert load["num_preparing"] == 0  # each was counted on its way to the engine
 
 
 def test_405_names_the_allowed_methods(server):

@@ -17,17 +17,19 @@ its blocks; if the core dies every live request fails with EngineDeadError and, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ember import startup
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.core_client import EngineCoreClient, EngineDeadError
-from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineStats
+from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineStats, Preparing
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.processor import InputProcessor, ProcessedPrompt, Truncation
 from ember.kv.params import KVTransferParams
@@ -40,6 +42,16 @@ __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 logger = logging.getLogger("ember.engine")
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait before restarting a core, and the longest
+
+
+class _Preparing:
+    """A request between `AsyncLLM.preparing()` and its sending (`sent` then)."""
+
+    sent = False
+
+
+# the request the running task prepares (tasks it starts see it too)
+_PREPARING: ContextVar[_Preparing | None] = ContextVar("ember_preparing", default=None)
 
 
 @dataclass
@@ -123,6 +135,7 @@ class AsyncLLM:
         # how a step is shaped, for /load (`ember plan profile` reads them)
         self.step_limits = {
             "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_prefill_step_tokens": config.max_prefill_step_tokens,
             "max_step_ms": config.max_step_ms,
             "min_prefill_tokens": config.min_prefill_tokens,
         }
@@ -156,6 +169,8 @@ class AsyncLLM:
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
         self._num_sequences_sent = 0
+        self._num_preparing = 0  # requests in `preparing()` not yet sent
+        self._num_announced = 0  # what the last message to the core said of them
         self._error: EngineDeadError | None = None
         self._stopping = False
         self._stop = threading.Event()  # shutdown() ends a restart's wait
@@ -234,6 +249,10 @@ class AsyncLLM:
         them, as it would have been there."""
         if self._error is not None:
             raise EngineDeadError(str(self._error), started=False)
+        mark = _PREPARING.get()
+        if mark is not None and not mark.sent:  # on its way no more
+            mark.sent = True
+            self._num_preparing -= 1
         request_id = request_id or f"req-{next(self._ids)}"
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_prompt(prompt)
@@ -258,6 +277,7 @@ class AsyncLLM:
                 if first.finished:  # resumed at its end: nothing to run
                     return RequestStream(request_id, sink.queue, self.abort, loop)
             self._sinks[request_id] = sink
+        core_request.num_preparing = self._num_announced = self._num_preparing
         try:
             self.client.send(core_request)
         except BaseException:
@@ -266,6 +286,32 @@ class AsyncLLM:
         self._num_sequences_sent += params.n
         sink.seq = self._num_sequences_sent
         return RequestStream(request_id, sink.queue, self.abort, loop)
+
+    @property
+    def num_preparing(self) -> int:
+        """Requests in `preparing()` not sent to the core yet."""
+        return self._num_preparing
+
+    @contextlib.contextmanager
+    def preparing(self) -> Iterator[None]:
+        """Counts the request the calling task serves (checks, template, tokenizer) as on
+        its way to the core until `add_request` sends it, or the block ends without: each
+        request sent says how many others are, and an idle core waits a moment for them
+        (`EngineCore.hold_ms`), so that requests that came together share a step. Call
+        on the event loop."""
+        mark = _Preparing()
+        token = _PREPARING.set(mark)
+        self._num_preparing += 1
+        try:
+            yield
+        finally:
+            _PREPARING.reset(token)
+            if not mark.sent:
+                self._num_preparing -= 1
+                if self._num_announced > self._num_preparing:  # the core may wait for it
+                    self._num_announced = self._num_preparing
+                    with contextlib.suppress(EngineDeadError):
+                        self.client.send(Preparing(self._num_preparing), wait=False)
 
     def abort(self, request_id: str) -> None:
         if self._forget(request_id) and self.client.alive:

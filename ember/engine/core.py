@@ -76,6 +76,7 @@ class EngineCore:
             max_step_ms=config.max_step_ms if self.steps_in_flight == 1 else 0.0,
             min_prefill_tokens=config.min_prefill_tokens,
             policy=config.scheduling_policy,
+            max_prefill_step_tokens=config.max_prefill_step_tokens,
         )
         self.step_stats = StepStats()
         self.speculator = make_speculator(
@@ -87,7 +88,8 @@ class EngineCore:
             enabled=config.world_size == 1 and self.steps_in_flight == 1
             and self.speculator is None and self.runner.device.type == "cpu",
         )  # fmt: skip
-        # then oneDNN's primitives of every rounded row count a bf16 step can have
+        # then oneDNN's primitives of every rounded row count a step with decodes can have
+        # (a longer step of prompts alone makes its own: each takes as long as a step)
         self.warmer = PrimitiveWarmer(
             self.runner.model if config.world_size == 1 else None, config.max_num_batched_tokens
         )
@@ -95,6 +97,7 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
         self.num_sequences_received = 0
+        self.num_preparing = 0  # requests the frontend said were on their way
         logger.info("engine ready in %.2f s", time.perf_counter() - start)
 
     def _allocate_kv_cache(self) -> int:
@@ -166,6 +169,7 @@ class EngineCore:
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request's sequences; a ValueError leaves nothing queued."""
         self.calibrator.drop()  # served steps teach the cost model from here on
+        self.num_preparing = core_request.num_preparing
         self.num_sequences_received += core_request.params.n
         if core_request.request_id in self._sequence_ids:
             raise ValueError(f"request_id {core_request.request_id!r} is already in use")
@@ -313,6 +317,18 @@ class EngineCore:
             self.calibrator.step()
         elif not self.warmer.done:
             self.warmer.step()
+
+    def hold_ms(self) -> float:
+        """How long the next step should wait for requests the frontend is preparing (0:
+        none). Only an idle engine waits (nothing running, no step in flight), and only
+        while its oldest waiting request arrived less than `batch_wait_ms` ago: requests
+        that come together then share a step (a burst of four sessions' prompts: one step
+        instead of two) at the cost of the first one's wait."""
+        waiting = self.scheduler.waiting
+        if not self.num_preparing or not waiting or self.scheduler.running or self._in_flight:
+            return 0.0
+        waited_ms = (time.monotonic() - min(r.arrival_time for r in waiting)) * 1e3
+        return max(self.config.batch_wait_ms - waited_ms, 0.0)
 
     def has_runnable(self) -> bool:
         """Work a step can do now (not only waiting for KV to arrive, or for the cluster

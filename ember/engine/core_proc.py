@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import math
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from ember.engine.messages import (
     EngineFailed,
     EngineInput,
     EngineReady,
+    Preparing,
     RequestError,
     Shutdown,
 )
@@ -58,9 +60,12 @@ class EngineCoreProc:
         acknowledged = core.num_sequences_received
         while not self.stopping:
             busy = core.has_runnable()
+            hold_ms = core.hold_ms() if busy else 0.0  # for requests the frontend prepares
             pending = core.has_unfinished() or core.holds_kv()  # KV arriving or held
             spare = not busy and not pending and core.has_idle_work()
             timeout = 0 if busy or spare else KV_POLL_MS if pending else IDLE_POLL_MS
+            if hold_ms:
+                timeout = math.ceil(hold_ms)
             received = bool(poller.poll(timeout))
             if not received and not pending and os.getppid() != parent_pid:
                 logger.warning("frontend process is gone; engine core exits")
@@ -69,7 +74,8 @@ class EngineCoreProc:
             if core.num_sequences_received != acknowledged:
                 self._send(EngineCoreOutputs([], core.stats(), errors))
                 acknowledged, errors = core.num_sequences_received, []
-            outputs = core.step() if core.has_unfinished() or core.holds_kv() else []
+            stepping = (core.has_unfinished() or core.holds_kv()) and not core.hold_ms()
+            outputs = core.step() if stepping else []
             if spare and not received:
                 core.idle_work()  # KV pages ahead of use, a few ms at a time
             state = (core.kv_cache.num_free_blocks, core.connector.num_loading, core.tier_writes())
@@ -97,6 +103,8 @@ class EngineCoreProc:
                     errors.append(RequestError(message.request_id, f"{type(exc).__name__}: {exc}"))
             elif isinstance(message, AbortRequests):
                 self.core.abort_requests(message.request_ids)
+            elif isinstance(message, Preparing):
+                self.core.num_preparing = message.num_requests
             elif isinstance(message, Shutdown):
                 self.stopping = True
 

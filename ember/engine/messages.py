@@ -5,7 +5,8 @@ sends one `EngineCoreRequest`; the core answers with `EngineCoreOutputs` after e
 step that changed something. In a server these go over ZeroMQ as msgpack:
 
     API process                                   engine core process
-      AddRequest / AbortRequests / Shutdown  -->    (PULL)
+      AddRequest / AbortRequests / Preparing /
+      Shutdown                               -->    (PULL)
       (PULL)                                 <--    EngineReady once, then EngineCoreOutputs
                                                     (EngineFailed if loading failed)
 """
@@ -48,17 +49,27 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     # a stream resumed from another worker (the router's migration): the tokens it had
     # output there, output here too before anything is sampled (their KV recomputed)
     resume_token_ids: list[int] | None = None
+    # requests the frontend was still preparing (tokenizing) when it sent this one: an
+    # idle core waits a moment for them, to take them in the same step (a hint only)
+    num_preparing: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]  # user request ids; the core aborts all of their sequences
 
 
+class Preparing(msgspec.Struct, tag="preparing"):
+    """Fewer requests than the last message said are on their way (one failed its
+    checks): the core need not wait for them."""
+
+    num_requests: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = EngineCoreRequest | AbortRequests | Shutdown
+EngineInput = EngineCoreRequest | AbortRequests | Preparing | Shutdown
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True):

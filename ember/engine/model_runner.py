@@ -381,7 +381,7 @@ class ModelRunner:
     def _profile_peak_memory(self) -> None:
         """Runs the largest step once before free memory is read."""
         ids, positions, meta, num_blocks = profile_batch(
-            self.config.max_num_batched_tokens, self.max_model_len, self.block_size, self.device
+            self.config.max_step_tokens, self.max_model_len, self.block_size, self.device
         )
         self.allocate_kv_cache(num_blocks)
         with torch.inference_mode():

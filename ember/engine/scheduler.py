@@ -16,7 +16,10 @@ Decodes (requests computing one token) are always scheduled; while any run, the 
 of prefill chunks are capped so that the step's predicted time (`StepCostModel`) stays
 within `max_step_ms` (or twice the decodes' own time, where they alone come near it), but
 never below `min_prefill_tokens`, so prompts keep moving. With no decodes running, or
-`max_step_ms` 0, prefill takes the whole `max_num_batched_tokens`.
+`max_step_ms` 0, prefill takes the whole `max_num_batched_tokens`; and with no decodes
+running, a prompt that would finish its prefill within `max_prefill_step_tokens` takes
+what it needs past that (so a burst of prompts sharing a prefix, whose later ones find
+the first one's blocks, computed in the same step, is one step, not two).
 When a running request cannot get a block, the most recently admitted running request
 is preempted (its blocks freed, to be recomputed later); the oldest request always
 makes progress, so there is neither deadlock nor starvation.
@@ -97,13 +100,22 @@ class SchedulerOutput:
 @dataclass
 class _Budget:
     """What is left of one step's tokens; `num_prefill_tokens` of them for requests that
-    compute more than one token (the rest are kept for the step's decodes)."""
+    compute more than one token (the rest are kept for the step's decodes), and past
+    both, `num_extra` for prompts that finish their prefill with them."""
 
     num_tokens: int
     num_prefill_tokens: int
+    num_extra: int = 0
+    extra_taken: int = 0  # by the last `take`
 
-    def take(self, num_left: int) -> int:
-        """Tokens for a request with `num_left` to compute; 0: none this step."""
+    def take(self, num_left: int, extra: bool = True) -> int:
+        """Tokens for a request with `num_left` to compute; 0: none this step. `extra`:
+        all of them if the extra makes room for all."""
+        room = min(self.num_tokens, self.num_prefill_tokens)
+        self.extra_taken = 0
+        if extra and num_left > 1 and room < num_left <= room + self.num_extra:
+            self.extra_taken = num_left - room
+            self._move_extra(self.extra_taken)
         num_new = min(num_left, self.num_tokens)
         if num_new > 1:
             num_new = min(num_new, self.num_prefill_tokens)
@@ -111,11 +123,22 @@ class _Budget:
         self.num_tokens -= num_new
         return num_new
 
+    @property
+    def left(self) -> bool:
+        return self.num_tokens > 0 or self.num_extra > 0
+
     def give_back(self, num_new: int) -> None:
-        """Returns what `take` gave, for a request that could not use it."""
+        """Returns what the last `take` gave, for a request that could not use it."""
         self.num_tokens += num_new
         if num_new > 1:
             self.num_prefill_tokens += num_new
+        self._move_extra(-self.extra_taken)
+        self.extra_taken = 0
+
+    def _move_extra(self, num: int) -> None:
+        self.num_extra -= num
+        self.num_tokens += num
+        self.num_prefill_tokens += num
 
 
 @dataclass
@@ -143,6 +166,7 @@ class Scheduler:
         max_step_ms: float = 0.0,
         min_prefill_tokens: int = 1,
         policy: str = "fcfs",
+        max_prefill_step_tokens: int = 0,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -155,6 +179,8 @@ class Scheduler:
         self.max_step_ms = max_step_ms if cost_model is not None else 0.0  # 0: no step budget
         self.min_prefill_tokens = min_prefill_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
+        # a step with no decodes may go up to this to finish prompts (0: no further)
+        self.max_prefill_step_tokens = max_prefill_step_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -263,7 +289,9 @@ class Scheduler:
 
     def _budget(self, out: SchedulerOutput) -> _Budget:
         """This step's tokens: one for every decode, the rest for prefill chunks, which the
-        step budget caps while decodes run (never below `min_prefill_tokens`)."""
+        step budget caps while decodes run (never below `min_prefill_tokens`). With no
+        decodes, prompts that can finish their prefill within `max_prefill_step_tokens`
+        do."""
         chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         num_decodes = len(self.running) - len(chunked)
         num_prefill = max(self.max_num_batched_tokens - num_decodes, 0)
@@ -275,7 +303,8 @@ class Scheduler:
             cap = self.cost_model.max_prefill_tokens(num_decodes, start, max_ms, num_prefill)
             if cap < num_prefill:
                 out.prefill_cap = num_prefill = max(cap, min(self.min_prefill_tokens, num_prefill))
-        return _Budget(self.max_num_batched_tokens, num_prefill)
+        extra = 0 if num_decodes else self.max_prefill_step_tokens - self.max_num_batched_tokens
+        return _Budget(self.max_num_batched_tokens, num_prefill, max(extra, 0))
 
     def _schedule_running(
         self,
@@ -290,7 +319,7 @@ class Scheduler:
         """The running requests' work; those in `later` (prompts that waiting ones go
         before) only in the `second` pass, which takes blocks where free and preempts none."""
         i = 0
-        while i < len(self.running) and budget.num_tokens > 0 and len(out.scheduled) < limit:
+        while i < len(self.running) and budget.left and len(out.scheduled) < limit:
             request = self.running[i]
             if (request.request_id in later) != second:
                 i += 1
@@ -309,6 +338,15 @@ class Scheduler:
             # drafts get slots only where there are free blocks for them
             if spec and self.kv_cache.allocate_slots(request, 1, num_lookahead=len(spec)) is None:
                 spec = []
+            if not spec and budget.extra_taken:
+                if self.kv_cache.allocate_slots(request, in_flight + num_new) is None:
+                    # all it has left does not fit the free blocks: a chunk within the
+                    # budget, as without the extra (nothing preempted for a longer step)
+                    budget.give_back(num_new)
+                    num_new = budget.take(left, extra=False)
+                    if num_new == 0:
+                        i += 1
+                        continue
             if not spec:
                 while self.kv_cache.allocate_slots(request, in_flight + num_new) is None:
                     if second:  # after the waiting ones, with the blocks they left
@@ -344,7 +382,7 @@ class Scheduler:
         deferred: list[Request] = []
         while (
             self.waiting
-            and budget.num_tokens > 0
+            and budget.left
             and self._num_admitted < self.max_num_seqs
             and len(out.scheduled) < limit
         ):
@@ -366,8 +404,14 @@ class Scheduler:
                 continue
             if self.connector is not None:
                 self.connector.release_unused(request)  # nothing (more) to load
-            num_new = budget.take(request.num_tokens - num_hit)
-            if num_new == 0 or self.kv_cache.allocate_slots(request, num_new, hits) is None:
+            num_left = request.num_tokens - num_hit
+            num_new = budget.take(num_left)
+            allocated = self._allocate(request, num_new, hits)
+            if not allocated and budget.extra_taken:  # all of it does not fit: a chunk
+                budget.give_back(num_new)
+                num_new = budget.take(num_left, extra=False)
+                allocated = self._allocate(request, num_new, hits)
+            if not allocated:
                 self.waiting.appendleft(request)
                 break
             self._admit(request, num_hit)
@@ -377,6 +421,10 @@ class Scheduler:
             rank = self.kv_cache.rank(request)
             out.scheduled.append(ScheduledRequest(request, num_new, block_ids, rank=rank))
         self.waiting.extendleft(reversed(deferred))
+
+    def _allocate(self, request: Request, num_new: int, hits) -> bool:
+        """Blocks for a waiting request's first `num_new` tokens past its hits, if free."""
+        return num_new > 0 and self.kv_cache.allocate_slots(request, num_new, hits) is not None
 
     @property
     def _num_admitted(self) -> int:

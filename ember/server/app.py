@@ -130,6 +130,7 @@ def build_app(
         stats = llm.stats()
         return {
             "num_waiting": llm.num_waiting,
+            "num_preparing": llm.num_preparing,  # being checked and tokenized here
             "num_running": stats.num_running,
             "num_queued_prefill_tokens": stats.num_queued_prefill_tokens,
             "kv_blocks_used": stats.kv_blocks_used,
@@ -199,7 +200,8 @@ async def _respond(work, request: Request, headers: dict[str, str] | None = None
     headers = dict(headers or {})
     if session_id := request.headers.get(SESSION_HEADER):
         headers[SESSION_HEADER] = session_id
-    result = await _until_disconnect(work, request)
+    with request.app.state.llm.preparing():  # until it reaches the engine
+        result = await _until_disconnect(work, request)
     if isinstance(result, dict):
         return JSONResponse(result, headers=headers)
     return StreamingResponse(result, media_type="text/event-stream", headers=headers)
