@@ -154,10 +154,10 @@ def test_forced_preemption_keeps_the_greedy_tokens(tiny_checkpoint):
     path = tiny_checkpoint("deepseek_v3")
     _, expected = reference(path, "deepseek_v3")
     # 20 blocks of 16 tokens (the latent layout: 3 layers x 24 values x 4 bytes a token),
-    # prompts admitted in chunks of 64: they outgrow the cache while decoding
+    # prompts admitted in chunks of 64 (none past them): they outgrow the cache while decoding
     llm = LLM(
         str(path), kv_cache_memory=20 * 16 * 3 * 24 * 4, max_model_len=256,
-        max_num_batched_tokens=64, enable_prefix_caching=False,
+        max_num_batched_tokens=64, max_prefill_step_tokens=64, enable_prefix_caching=False,
     )  # fmt: skip
     assert llm.engine.core.kv_cache.num_blocks == 20
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected

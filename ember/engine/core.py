@@ -76,7 +76,10 @@ class EngineCore:
             max_step_ms=config.max_step_ms if self.steps_in_flight == 1 else 0.0,
             min_prefill_tokens=config.min_prefill_tokens,
             policy=config.scheduling_policy,
-            max_prefill_step_tokens=config.max_prefill_step_tokens,
+            # pipelined, a prompt's chunks overlap in the stages: no longer steps
+            max_prefill_step_tokens=config.max_prefill_step_tokens
+            if self.steps_in_flight == 1
+            else 0,
         )
         self.step_stats = StepStats()
         self.speculator = make_speculator(
