@@ -185,9 +185,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-prefill-step-tokens",
         type=int,
         default=d.max_prefill_step_tokens,
-        help="with no sequence decoding, a step may take up to this many tokens for prompts "
-        "that then finish their prefill in it (one step for a burst of prompts, not two); "
-        "at most --max-num-batched-tokens turns it off (default %(default)s)",
+        help="with no sequence decoding, a step may take up to this many tokens (within "
+        "--max-step-ms) for prompts that then finish their prefill in it (one step for a "
+        "burst of prompts, not two); at most --max-num-batched-tokens turns it off "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--batch-wait-ms",

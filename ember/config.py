@@ -342,9 +342,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     max_num_batched_tokens: int = 512
     # with no sequence decoding, a step may go past max_num_batched_tokens, up to this
-    # many tokens, for prompts that then finish their prefill in it (a burst of prompts
-    # sharing a prefix, or a few short ones: one step, not two); at most
-    # max_num_batched_tokens: off
+    # many tokens (and within max_step_ms, predicted), for prompts that then finish their
+    # prefill in it (a burst of prompts sharing a prefix, or a few short ones: one step,
+    # not two); at most max_num_batched_tokens: off
     max_prefill_step_tokens: int = 2048
     # an idle engine that gets a request while the server is still tokenizing others
     # waits up to this long for them, so that requests that came together share a step

@@ -13,6 +13,7 @@ from test_scheduler import FakeRunner, make_request, make_scheduler, scheduled_t
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 from ember.engine.async_llm import AsyncLLM
+from ember.engine.step_cost import StepCoefficients, StepCostModel
 
 PREFIX = tokens(100, 48)  # three blocks of 16
 
@@ -44,6 +45,20 @@ def test_running_decodes_keep_the_step_within_the_budget():
     runner.step()  # "d" decodes from here on
     scheduler.add(make_request("p", tokens(200, 40)))
     assert scheduled_tokens(runner.step()[0]) == {"d": 1, "p": 31}
+
+
+def test_the_step_past_the_budget_keeps_within_the_step_time_budget():
+    """1 ms a step, 1 ms a prompt token, attention free: with max_step_ms 100 the extra
+    takes prompts while the step stays within 100 ms (two of 40 tokens: 81 ms; a third
+    would make it 121); the one left over runs in the next step."""
+    scheduler = make_scheduler(max_num_batched_tokens=32, max_prefill_step_tokens=256)
+    scheduler.cost_model = StepCostModel(StepCoefficients(1.0, 1.0, 1.0, 0.0))
+    scheduler.max_step_ms = 100.0
+    for name in "abc":
+        scheduler.add(make_request(name, tokens(1000 * ord(name), 40)))
+    runner = FakeRunner(scheduler)
+    assert scheduled_tokens(runner.step()[0]) == {"a": 40, "b": 40}
+    runner.run_to_completion()
 
 
 def test_off_at_the_budget():
@@ -103,7 +118,9 @@ def test_a_burst_in_one_step_gives_each_prompt_its_own_greedy_output(
     alone = LLM(path, enable_prefix_caching=False, **options)
     expected = [alone.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
 
-    llm = LLM(path, max_num_batched_tokens=64, max_prefill_step_tokens=1024, **options)
+    llm = LLM(  # no step budget: the cost model's prior would keep the step to 64 tokens
+        path, max_num_batched_tokens=64, max_prefill_step_tokens=1024, max_step_ms=0, **options
+    )
     outs = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert [o.num_cached_tokens for o in outs] == [0, 192, 192, 192]

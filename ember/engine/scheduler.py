@@ -18,8 +18,9 @@ within `max_step_ms` (or twice the decodes' own time, where they alone come near
 never below `min_prefill_tokens`, so prompts keep moving. With no decodes running, or
 `max_step_ms` 0, prefill takes the whole `max_num_batched_tokens`; and with no decodes
 running, a prompt that would finish its prefill within `max_prefill_step_tokens` takes
-what it needs past that (so a burst of prompts sharing a prefix, whose later ones find
-the first one's blocks, computed in the same step, is one step, not two).
+what it needs past that, while the step is predicted to stay within `max_step_ms` (so a
+burst of prompts sharing a prefix, whose later ones find the first one's blocks,
+computed in the same step, is one step, not two).
 When a running request cannot get a block, the most recently admitted running request
 is preempted (its blocks freed, to be recomputed later); the oldest request always
 makes progress, so there is neither deadlock nor starvation.
@@ -43,6 +44,8 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.step_cost import StepCostModel, StepShape
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ember.kv.connector import KVConnector
 
 
@@ -101,27 +104,49 @@ class SchedulerOutput:
 class _Budget:
     """What is left of one step's tokens; `num_prefill_tokens` of them for requests that
     compute more than one token (the rest are kept for the step's decodes), and past
-    both, `num_extra` for prompts that finish their prefill with them."""
+    both, `num_extra` for prompts that finish their prefill with them, while the step
+    (its prompts' tokens and attention pairs so far in `shape`) is predicted to take at
+    most `max_ms` (`predict_ms`; None: no bound)."""
 
     num_tokens: int
     num_prefill_tokens: int
     num_extra: int = 0
+    predict_ms: Callable[[StepShape], float] | None = None
+    max_ms: float = 0.0
+    shape: StepShape = field(default_factory=StepShape)
     extra_taken: int = 0  # by the last `take`
+    _pairs_taken: float = 0.0
 
-    def take(self, num_left: int, extra: bool = True) -> int:
-        """Tokens for a request with `num_left` to compute; 0: none this step. `extra`:
-        all of them if the extra makes room for all."""
+    def take(self, num_left: int, start: int = 0, extra: bool = True) -> int:
+        """Tokens for a request with `num_left` to compute from position `start`; 0: none
+        this step. `extra`: all of them if the extra makes room for all."""
         room = min(self.num_tokens, self.num_prefill_tokens)
         self.extra_taken = 0
         if extra and num_left > 1 and room < num_left <= room + self.num_extra:
-            self.extra_taken = num_left - room
-            self._move_extra(self.extra_taken)
+            if self._in_time(num_left, start):
+                self.extra_taken = num_left - room
+                self._move_extra(self.extra_taken)
         num_new = min(num_left, self.num_tokens)
+        self._pairs_taken = 0.0
         if num_new > 1:
             num_new = min(num_new, self.num_prefill_tokens)
             self.num_prefill_tokens -= num_new
+            self._pairs_taken = StepShape.chunk_pairs(start, num_new)
+            self._add_shape(num_new, self._pairs_taken)
         self.num_tokens -= num_new
         return num_new
+
+    def _in_time(self, num_new: int, start: int) -> bool:
+        if self.predict_ms is None:
+            return True
+        pairs = self.shape.num_attention_pairs + StepShape.chunk_pairs(start, num_new)
+        after = StepShape(self.shape.num_prefill_tokens + num_new, 0, pairs)
+        return self.predict_ms(after) <= self.max_ms
+
+    def _add_shape(self, num_new: int, pairs: float) -> None:
+        self.shape = StepShape(
+            self.shape.num_prefill_tokens + num_new, 0, self.shape.num_attention_pairs + pairs
+        )
 
     @property
     def left(self) -> bool:
@@ -132,8 +157,9 @@ class _Budget:
         self.num_tokens += num_new
         if num_new > 1:
             self.num_prefill_tokens += num_new
+            self._add_shape(-num_new, -self._pairs_taken)
         self._move_extra(-self.extra_taken)
-        self.extra_taken = 0
+        self.extra_taken = self._pairs_taken = 0
 
     def _move_extra(self, num: int) -> None:
         self.num_extra -= num
@@ -304,7 +330,11 @@ class Scheduler:
             if cap < num_prefill:
                 out.prefill_cap = num_prefill = max(cap, min(self.min_prefill_tokens, num_prefill))
         extra = 0 if num_decodes else self.max_prefill_step_tokens - self.max_num_batched_tokens
-        return _Budget(self.max_num_batched_tokens, num_prefill, max(extra, 0))
+        if extra <= 0:
+            return _Budget(self.max_num_batched_tokens, num_prefill)
+        # a step past the chunk keeps within the step budget too: arrivals wait for it
+        predict = self.cost_model.predict_ms if self.max_step_ms > 0 else None
+        return _Budget(self.max_num_batched_tokens, num_prefill, extra, predict, self.max_step_ms)
 
     def _schedule_running(
         self,
@@ -329,7 +359,8 @@ class Scheduler:
             if left < 1:  # its step in flight samples: its next token is not known yet
                 i += 1
                 continue
-            num_new = budget.take(left)
+            start = request.num_computed_tokens + in_flight
+            num_new = budget.take(left, start)
             if num_new == 0:  # a prefill chunk, when the step has no room for more
                 i += 1
                 continue
@@ -343,7 +374,7 @@ class Scheduler:
                     # all it has left does not fit the free blocks: a chunk within the
                     # budget, as without the extra (nothing preempted for a longer step)
                     budget.give_back(num_new)
-                    num_new = budget.take(left, extra=False)
+                    num_new = budget.take(left, start, extra=False)
                     if num_new == 0:
                         i += 1
                         continue
@@ -362,7 +393,6 @@ class Scheduler:
                         return
             budget.num_tokens -= len(spec)
             block_ids = self.kv_cache.block_ids(request.request_id)
-            start = request.num_computed_tokens + in_flight
             rank = self.kv_cache.rank(request)
             sched = ScheduledRequest(request, num_new, block_ids, list(spec), start, rank)
             out.scheduled.append(sched)
@@ -405,11 +435,11 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.release_unused(request)  # nothing (more) to load
             num_left = request.num_tokens - num_hit
-            num_new = budget.take(num_left)
+            num_new = budget.take(num_left, num_hit)
             allocated = self._allocate(request, num_new, hits)
             if not allocated and budget.extra_taken:  # all of it does not fit: a chunk
                 budget.give_back(num_new)
-                num_new = budget.take(num_left, extra=False)
+                num_new = budget.take(num_left, num_hit, extra=False)
                 allocated = self._allocate(request, num_new, hits)
             if not allocated:
                 self.waiting.appendleft(request)
