@@ -56,7 +56,7 @@ def cuda_ms(fn, repeats: int = 20) -> float:
 
 
 def layer_times() -> None:
-    from ember.config import MoEConfig
+    from ember.model_config import MoEConfig
     from ember.models.moe import Experts
 
     torch.manual_seed(0)

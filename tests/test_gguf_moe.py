@@ -160,8 +160,8 @@ def test_quantized_experts_match_transformers_on_the_same_weights(checkpoint, tm
 def test_experts_keep_blocks_only_in_one_format():
     """gate and up in two formats: their fused matmul multiplies the floats; down's blocks
     are still read."""
-    from ember.config import MoEConfig
     from ember.engine.kernels import cpu_kernels
+    from ember.model_config import MoEConfig
 
     if cpu_kernels() is None:
         pytest.skip("no C++ toolchain to build kernels")

@@ -11,8 +11,8 @@ from test_models import GREEDY, PROMPTS, SMALL_KV, hf_reference, token_ids
 from test_sampling import make_request
 
 from ember import LLM, SamplingParams
-from ember.config import MoEConfig
 from ember.engine.sampler import apply_penalties
+from ember.model_config import MoEConfig
 from ember.models import moe
 from ember.models.moe import Experts
 

@@ -20,9 +20,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from ember import LLM, SamplingParams
-from ember.config import ModelConfig, MoEConfig
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.mla import MLABackend, MLAWeights
+from ember.model_config import ModelConfig, MoEConfig
 from ember.models import moe
 from ember.models.moe import Experts, SparseMoE, TopKRouter
 from server_utils import WORKER_ARGS, EmberServer, Up, moe_samples

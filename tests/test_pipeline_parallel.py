@@ -97,7 +97,7 @@ def test_one_prompts_chunks_overlap_in_the_stages(tiny_checkpoint) -> None:
 def test_stage_layer_ranges() -> None:
     """Contiguous ranges, the first stage's shorter by its head (SmolLM2's weighs as much
     as 8 of its layers, and counts for 4), later stages taking the extra layer."""
-    from ember.config import ModelConfig
+    from ember.model_config import ModelConfig
     from ember.models.llama import head_layers
 
     assert [PipelineStage(s, 2).layers(30) for s in range(2)] == [range(0, 15), range(15, 30)]

@@ -52,12 +52,13 @@ import torch.distributed as dist
 import zmq
 
 from ember import envs
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig
 from ember.cpus import usable_cpus
 from ember.distributed import nodes
 from ember.distributed.nodes import Link, Nodes
 from ember.distributed.parallel import PipelineStage, TPGroup, building, wait
 from ember.distributed.shm_comm import ShmCommunicator
+from ember.model_config import ModelConfig
 
 logger = logging.getLogger("ember.distributed")
 

@@ -38,11 +38,12 @@ def _die_with_parent() -> None:
 def serve(rank: int, args: argparse.Namespace, channel: Channel) -> None:
     import torch
 
-    from ember.config import EngineConfig, ModelConfig
+    from ember.config import EngineConfig
     from ember.distributed.parallel import wait
     from ember.engine.model_runner import ModelRunner
     from ember.loader.checkpoint import open_checkpoint
     from ember.loader.default_models import resolve_model
+    from ember.model_config import ModelConfig
 
     per_node = args.size // args.nnodes
     os.sched_setaffinity(0, ex.rank_cores(per_node, rank % per_node))

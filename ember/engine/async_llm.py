@@ -27,13 +27,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ember import startup
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig
 from ember.engine.core_client import EngineCoreClient, EngineDeadError
 from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineStats, Preparing
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.processor import InputProcessor, ProcessedPrompt, Truncation
 from ember.kv.params import KVTransferParams
 from ember.loader.checkpoint import open_checkpoint
+from ember.model_config import ModelConfig
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ember import envs, startup
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig
 from ember.engine.calibration import Calibrator
 from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
@@ -33,6 +33,7 @@ from ember.kv.buffers import Prefaulter
 from ember.kv.connector import ConnectorContext, KVStats, MultiConnector, make_connector
 from ember.kv.tiers import TieredStore
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
+from ember.model_config import ModelConfig
 
 logger = logging.getLogger("ember.engine")
 

@@ -28,13 +28,14 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
 from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ember.engine.speculative import Proposer
 from ember.loader.checkpoint import open_checkpoint
+from ember.model_config import ModelConfig
 from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember.engine")

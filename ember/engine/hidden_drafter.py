@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request
@@ -45,6 +45,7 @@ from ember.engine.sampler import position_noise, random_probs
 from ember.engine.speculative import Proposer
 from ember.engine.step_inputs import Rows, batch_inputs
 from ember.kv import buffers as kv_buffers
+from ember.model_config import ModelConfig
 
 logger = logging.getLogger("ember.engine")
 

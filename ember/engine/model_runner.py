@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ember import cpus, startup
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig
 from ember.distributed.executor import (
     AllocateKV,
     LeaderModel,
@@ -34,6 +34,7 @@ from ember.engine.step_inputs import Rows, batch_inputs, profile_batch
 from ember.kv import buffers as kv_buffers
 from ember.kv.layout import Piece, WorkerKV
 from ember.loader.checkpoint import Checkpoint, Narrow
+from ember.model_config import ModelConfig
 from ember.models import get_model_class
 from ember.models.layers import (
     BF16_MIN_ROWS,

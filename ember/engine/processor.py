@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ember.config import ModelConfig
 from ember.engine.messages import EngineCoreRequest
 from ember.kv.params import KVTransferParams
+from ember.model_config import ModelConfig
 from ember.sampling_params import SamplingParams
 
 

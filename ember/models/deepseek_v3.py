@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.config import MLAConfig, ModelConfig, yarn_mscale
 from ember.distributed.parallel import split, tp_group
 from ember.engine.attention import AttentionBackend, AttentionMetadata
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.mla import MLABackend, MLAWeights
+from ember.model_config import MLAConfig, ModelConfig, yarn_mscale
 from ember.models.layers import Linear, RMSNorm
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from ember.models.parallel_layers import ColumnParallelLinear, RowParallelLinear

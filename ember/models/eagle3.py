@@ -6,7 +6,7 @@ tokens, and `d2t` (draft id -> target id offsets; `t2d` is not needed).
 The head predicts the token after next from the next token and the target's hidden
 state: at position p it reads [input_layernorm(embed(t[p+1])) | hidden_norm(h[p])],
 where h[p] is `fc` of the target's residual stream before a few of its layers
-(ember.config.EagleConfig), and its layer's attention keys and values (over twice the
+(ember.model_config.EagleConfig), and its layer's attention keys and values (over twice the
 hidden size) go into a paged cache of its own. Its output before the final norm is the
 hidden state its next position reads when it drafts further on its own.
 """
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.config import ModelConfig
 from ember.engine.attention import AttentionBackend
 from ember.engine.kv_spec import KVCacheSpec
+from ember.model_config import ModelConfig
 from ember.models.layers import Linear, MergedLinear, RMSNorm, new_param
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM, load_into
 from ember.models.rotary import RotaryEmbedding

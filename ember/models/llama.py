@@ -17,10 +17,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ember.config import ModelConfig
 from ember.distributed.parallel import SKIP, head_split, pp_stage, tp_group
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.engine.kv_spec import KVCacheSpec
+from ember.model_config import ModelConfig
 from ember.models.layers import (
     BF16_MIN_ROWS,
     DECODE_BLOCK_MAX_ROWS,

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.config import MoEConfig
 from ember.distributed.parallel import SKIP, expert_group, split
+from ember.model_config import MoEConfig
 from ember.models.layers import (
     BLOCK_GEMM_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from ember.config import RopeConfig
+from ember.model_config import RopeConfig
 from ember.models.layers import cpu_kernels_for
 
 
