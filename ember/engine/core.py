@@ -66,6 +66,7 @@ class EngineCore:
         self.steps_in_flight = envs.pipeline_steps_in_flight(config.pipeline_parallel_size)
         self._in_flight: deque[InFlight] = deque()
         self._aborts_due: set[str] = set()
+        alone = self.steps_in_flight == 1  # one step at a time: no pipeline
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,
@@ -74,13 +75,11 @@ class EngineCore:
             self.connector,
             cost_model=self.step_cost,
             # a pipelined step's time is not its own: no step budget
-            max_step_ms=config.max_step_ms if self.steps_in_flight == 1 else 0.0,
+            max_step_ms=config.max_step_ms if alone else 0.0,
             min_prefill_tokens=config.min_prefill_tokens,
             policy=config.scheduling_policy,
             # pipelined, a prompt's chunks overlap in the stages: no longer steps
-            max_prefill_step_tokens=config.max_prefill_step_tokens
-            if self.steps_in_flight == 1
-            else 0,
+            max_prefill_step_tokens=config.max_prefill_step_tokens if alone else 0,
         )
         self.step_stats = StepStats()
         self.speculator = make_speculator(
@@ -89,7 +88,7 @@ class EngineCore:
         self.calibrator = Calibrator(
             self.runner, self.kv_cache, self.step_cost, self.max_model_len,
             model_config.vocab_size,
-            enabled=config.world_size == 1 and self.steps_in_flight == 1
+            enabled=config.world_size == 1 and alone
             and self.speculator is None and self.runner.device.type == "cpu",
         )  # fmt: skip
         # then oneDNN's primitives of every rounded row count a step with decodes can have

@@ -369,15 +369,15 @@ class Scheduler:
             # drafts get slots only where there are free blocks for them
             if spec and self.kv_cache.allocate_slots(request, 1, num_lookahead=len(spec)) is None:
                 spec = []
-            if not spec and budget.extra_taken:
-                if self.kv_cache.allocate_slots(request, in_flight + num_new) is None:
-                    # all it has left does not fit the free blocks: a chunk within the
-                    # budget, as without the extra (nothing preempted for a longer step)
-                    budget.give_back(num_new)
-                    num_new = budget.take(left, start, extra=False)
-                    if num_new == 0:
-                        i += 1
-                        continue
+            taken = in_flight + num_new
+            if budget.extra_taken and self.kv_cache.allocate_slots(request, taken) is None:
+                # all it has left does not fit the free blocks: a chunk within the budget,
+                # as without the extra (nothing preempted for a longer step)
+                budget.give_back(num_new)
+                num_new = budget.take(left, start, extra=False)
+                if num_new == 0:
+                    i += 1
+                    continue
             if not spec:
                 while self.kv_cache.allocate_slots(request, in_flight + num_new) is None:
                     if second:  # after the waiting ones, with the blocks they left
