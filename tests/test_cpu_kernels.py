@@ -127,7 +127,8 @@ def test_block_gemm_equals_small_gemm_on_the_dequantized_weights(name, rows, ker
 @pytest.mark.parametrize("name", HALF_FIELDS)
 def test_dequantize_blocks_is_gguf_py_bit_for_bit(name, kernels):
     """The loader's fast path (every code, every packed sub-block scale) against gguf-py's
-    reference dequantizer."""
+    reference dequantizer; in bf16 (the packed copy's source), those values rounded as
+    torch rounds them."""
     import gguf
 
     out_features, in_features = BLOCK_GEMM_SHAPES[block_shape(name)[0]]
@@ -139,6 +140,9 @@ def test_dequantize_blocks_is_gguf_py_bit_for_bit(name, kernels):
     # any number of rows, one block each (the loader hands over a tensor's blocks flat)
     flat = blocks.flatten(0, 1).unsqueeze(1)
     assert torch.equal(kernels.dequantize_blocks(flat).flatten(), weights.flatten())
+    low = kernels.dequantize_blocks(blocks, bf16=True)
+    assert low.dtype == torch.bfloat16
+    assert torch.equal(low.view(torch.int16), weights.bfloat16().view(torch.int16))
 
 
 def test_dequantize_blocks_refuses_what_it_cannot_decode(kernels):

@@ -216,7 +216,10 @@ class Linear(nn.Module):
             raise RuntimeError("a weight left unread for its blocks is needed after all")
         # W was not read from the checkpoint where its blocks alone serve (from_blocks):
         # the packed copy is made from them, exactly the fp32 W
-        source = self._decoded_blocks(kernels) if self.from_blocks else self.weight.detach()
+        if self.from_blocks:  # decoded straight to the packed dtype (bf16: rounded as torch rounds)
+            source = self._decoded_blocks(kernels, packed_dtype == torch.bfloat16)
+        else:
+            source = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(
             source.to(packed_dtype), 16
         )  # in bf16 mode the only packed copy: no fp32 one is kept
@@ -271,9 +274,10 @@ class Linear(nn.Module):
             and self._blocks_apply(kernels)
         )
 
-    def _decoded_blocks(self, kernels) -> torch.Tensor:
-        """The fp32 W its blocks decode to (parts in order along out_features)."""
-        parts = [kernels.dequantize_blocks(part) for part in self.block_list]
+    def _decoded_blocks(self, kernels, bf16: bool = False) -> torch.Tensor:
+        """The fp32 W its blocks decode to (parts in order along out_features), or with
+        `bf16` that W rounded to bf16 (in the decoder's one pass)."""
+        parts = [kernels.dequantize_blocks(part, bf16) for part in self.block_list]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -608,31 +608,38 @@ torch::Tensor blocks_product(const char* name, torch::Tensor x, const torch::Ten
 // The float32 weights [rows, blocks per row * weights per block] that `blocks` ([rows,
 // blocks per row, bytes per block] uint8) decode to: gguf's dequantizers' values bit for
 // bit (see the top of this file), decoded a group at a time as the GEMMs do.
-torch::Tensor dequantize_blocks(const torch::Tensor& blocks) {
+torch::Tensor dequantize_blocks(const torch::Tensor& blocks, bool bf16) {
   TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 3 && blocks.is_contiguous(),
               "dequantize_blocks: contiguous 3-D uint8 blocks [rows, blocks, bytes]");
   const int64_t rows = blocks.size(0), per_row = blocks.size(1), block_bytes = blocks.size(2);
   const int64_t weights = block_weights(block_bytes);
   TORCH_CHECK(weights > 0, "dequantize_blocks: ", block_bytes, "-byte blocks are none of "
               "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K");
-  auto out = torch::empty({rows, per_row * weights}, torch::kFloat32);
+  auto out = torch::empty({rows, per_row * weights}, bf16 ? torch::kBFloat16 : torch::kFloat32);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  with_format(block_bytes, [&](auto format) {
-    using F = decltype(format);
-    at::parallel_for(0, rows * per_row, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const uint8_t* block = src + b * F::kBytes;
-        const typename F::Scales scales = F::scales(block);
-        for (int g = 0; g < F::kWeights / kGroupWeights; ++g) {
-          vf group[kChunks];
-          F::decode(block, scales, g, group);
-          for (int c = 0; c < kChunks; ++c)
-            simd::store(dst + b * F::kWeights + g * kGroupWeights + c * kLanes, group[c]);
+  // float32 as decoded, or each rounded to bf16 as torch rounds (nearest even): the packed
+  // bf16 copy made without a float32 matrix between
+  auto decode_to = [&](auto* dst) {
+    with_format(block_bytes, [&](auto format) {
+      using F = decltype(format);
+      at::parallel_for(0, rows * per_row, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const uint8_t* block = src + b * F::kBytes;
+          const typename F::Scales scales = F::scales(block);
+          for (int g = 0; g < F::kWeights / kGroupWeights; ++g) {
+            vf group[kChunks];
+            F::decode(block, scales, g, group);
+            for (int c = 0; c < kChunks; ++c)
+              simd::store(dst + b * F::kWeights + g * kGroupWeights + c * kLanes, group[c]);
+          }
         }
-      }
+      });
     });
-  });
+  };
+  if (bf16)
+    decode_to(reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()));
+  else
+    decode_to(out.data_ptr<float>());
   return out;
 }
 
@@ -662,7 +669,9 @@ void register_block_gemm(pybind11::module& m) {
   m.def("block_gemm_int8", &block_gemm_int8,
         "block_gemm with x quantized to int8 per 32 values and integer products (4-D blocks: tiles, int8_tiles.cpp)");
   m.def("dequantize_blocks", &dequantize_blocks,
-        "the float32 weights [rows, in_features] that GGUF blocks [rows, blocks, bytes] decode to");
+        "the float32 weights [rows, in_features] that GGUF blocks [rows, blocks, bytes] decode to "
+        "(with bf16, those rounded to bfloat16)",
+        py::arg("blocks"), py::arg("bf16") = false);
   m.def("block_gemm_supported", &block_gemm_supported,
         "whether block_gemm takes these shapes (in_features, out_features, bytes per block)");
 }
