@@ -165,6 +165,17 @@ def test_a_bf16_cache_reads_as_a_float32_cache_of_the_same_values(isa):
         assert torch.equal(stored[~nan].view(torch.int16), x[~nan].bfloat16().view(torch.int16))
     with pytest.raises(RuntimeError, match="caches in float32 or bfloat16, alike"):
         kernels.write_kv(k, v, caches[0], torch.zeros(num_blocks, BS, HKV, 40), slots)
+    # a prompt chunk's rows (written on the threads at once), strided rows as a qkv split
+    # leaves them, into either cache dtype: where torch's index_copy puts them, nothing else
+    qkv = torch.randn(300, 3 * HKV, 40)
+    k, v = qkv[:, HKV : 2 * HKV], qkv[:, 2 * HKV :]
+    slots = torch.randperm(num_blocks * BS)[:300]
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [torch.zeros(num_blocks, BS, HKV, 40, dtype=dtype) for _ in range(2)]
+        kernels.write_kv(k, v, *caches, slots)
+        for cache, x in zip(caches, (k, v), strict=True):
+            expected = torch.zeros_like(cache).view(-1, HKV, 40).index_copy_(0, slots, x.to(dtype))
+            assert torch.equal(cache.view(-1, HKV, 40), expected)
 
 
 def test_auto_picks_the_cpu_kernel_for_float32_cpu():

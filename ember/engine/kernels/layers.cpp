@@ -265,10 +265,13 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
     using T = decltype(element);
     T* kc = static_cast<T*>(key_cache.data_ptr());
     T* vc = static_cast<T*>(value_cache.data_ptr());
-    for (int64_t t = 0; t < tokens; ++t) {
-      store_row(kp + t * ks, kc + sp[t] * width, width);
-      store_row(vp + t * vs, vc + sp[t] * width, width);
-    }
+    // a step's slots are distinct: a prompt chunk's rows go on the threads at once
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        store_row(kp + t * ks, kc + sp[t] * width, width);
+        store_row(vp + t * vs, vc + sp[t] * width, width);
+      }
+    });
   });
 }
 
