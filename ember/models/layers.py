@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.engine.padded_rows import padded_rows
+from ember.models import huge_pages
 
 
 def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
@@ -353,7 +354,7 @@ def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int
     each matmul's packed copy (`packed_itemsize` bytes a weight; 0: none); the GGUF blocks
     the block GEMM will read (MoE experts': all that came)."""
     seen: set[int] = set()
-    total = 0
+    total, block_sizes = 0, []
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             skipped = isinstance(module, Linear) and module.from_blocks and name == "weight"
@@ -363,10 +364,13 @@ def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int
         if isinstance(module, Linear):
             total += module.weight.numel() * packed_itemsize
             if module._blocks_apply(kernels):
-                total += sum(part.numel() for part in module.block_list)
+                block_sizes += [part.numel() for part in module.block_list]
         elif hasattr(module, "loaded_block_bytes"):  # MoE experts (Experts)
             total += module.loaded_block_bytes()
-    return total
+    # the matmuls' blocks end in one mapping on huge pages (gather_blocks), counted whole
+    return total + (
+        huge_pages.mapping_bytes(block_sizes) if huge_pages.applies() else sum(block_sizes)
+    )
 
 
 def block_decode_summary(model: nn.Module) -> str | None:

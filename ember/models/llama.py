@@ -10,6 +10,7 @@ experts are stacked (ember.models.moe) and Mixtral's `block_sparse_moe` is read 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Set
 from typing import NamedTuple
@@ -21,6 +22,7 @@ from ember.distributed.parallel import SKIP, head_split, pp_stage, tp_group
 from ember.engine.attention import AttentionBackend, AttentionMetadata, CPUPagedBackend
 from ember.engine.kv_spec import KVCacheSpec
 from ember.model_config import ModelConfig
+from ember.models.huge_pages import gather_blocks
 from ember.models.layers import (
     BF16_MIN_ROWS,
     DECODE_BLOCK_MAX_ROWS,
@@ -42,6 +44,8 @@ from ember.models.parallel_layers import (
     shard_of,
 )
 from ember.models.rotary import RotaryEmbedding, apply_rotary
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
@@ -393,6 +397,8 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Experts):
                 module.pack_for_cpu(weight_dtype)
         self._params = None  # (a Linear may have let its fp32 weight go)
+        if moved := gather_blocks(self):
+            logger.info("GGUF blocks on 2 MB pages: %.0f MB", moved / 1e6)
         backend = self.model.local_layers[0].self_attn.backend
         fusable = not self.config.qk_norm and self.config.moe is None
         if isinstance(backend, CPUPagedBackend) and fusable:
