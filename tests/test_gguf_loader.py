@@ -7,6 +7,7 @@ weights a tiny file was written from.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -1059,3 +1060,41 @@ def test_huge_pages_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         envs.huge_pages()
     monkeypatch.delenv("EMBER_HUGE_PAGES")
     assert envs.huge_pages()
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_1", "llama-k-quants"])
+def test_decode_layers_in_one_call_give_the_layer_loop_s_outputs(tmp_path: Path, case: str) -> None:
+    """A decode-only step's layers run in one C++ call (decode_layers, on arguments made
+    once: DecodeLayerArgs) unless hidden states are captured; its tokens and logprobs
+    are those of the Python loop over decode_layer."""
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES[case])
+    prompts = [[(11 * i + j) % (VOCAB - 3) + 3 for i in range(4 + 7 * j)] for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
+    runs = {}
+    for prepared in (False, True):
+        llm = LLM(str(path), kv_cache_memory=1 << 24)
+        fused = llm.engine.core.runner.model.model.fused_decode
+        assert fused.prepared is not None and len(fused.prepared) == len(fused.layers)
+        if not prepared:
+            fused.prepared = None
+        calls = collections.Counter()
+        kernels = fused.kernels
+
+        class Counting:
+            def __getattr__(self, name, kernels=kernels, calls=calls):
+                calls[name] += 1
+                return getattr(kernels, name)
+
+        fused.kernels = Counting()
+        runs[prepared] = llm.generate(prompts, params)
+        one_call = calls["decode_layers"] > 0
+        assert one_call == prepared and (calls["decode_layer"] > 0) != prepared
+    for w, g in zip(runs[False], runs[True], strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs

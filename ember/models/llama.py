@@ -237,7 +237,8 @@ class LlamaModel(nn.Module):
         rows = meta.num_decode_seqs or hidden.shape[0]
         fused = rows <= self.fused_decode_max_rows
         if self.fused_decode is not None and not meta.prefills and fused:
-            return self.fused_decode(hidden, cos_sin, kv_caches, meta, self._capture)
+            capture = self._capture if self.capture_layers else None
+            return self.fused_decode(hidden, cos_sin, kv_caches, meta, capture)
         residual = None
         layers = zip(self.stage_layers, self.local_layers, kv_caches, strict=True)
         for i, layer, kv_cache in layers:
@@ -281,6 +282,9 @@ class FusedDecode:
         # tensor parallel: the kernel sums the o and down projections over the ranks
         group = attn.o_proj.group
         self.reduce = group.all_reduce if group.size > 1 else None
+        # the same arguments held in C++, for a step's layers in one call (decode_layers)
+        make = getattr(kernels, "DecodeLayerArgs", None)
+        self.prepared = None if make is None else [make(*args) for args in self.layers]
 
     @staticmethod
     def _linears(layer: LlamaDecoderLayer) -> tuple[Linear, ...]:
@@ -310,9 +314,17 @@ class FusedDecode:
         )
 
     def __call__(self, hidden, cos_sin, kv_caches, meta: AttentionMetadata, capture):
-        """(A pipeline stage's layers capture nothing: EAGLE-3 runs on one stage.)"""
-        residual = hidden
+        """`capture`: None, or called with each layer's input (EAGLE-3's hidden states; a
+        pipeline stage's layers capture nothing: EAGLE-3 runs on one stage)."""
         cos, sin = cos_sin
+        if capture is None and self.prepared is not None:  # no Python between the layers
+            return self.kernels.decode_layers(
+                hidden, self.prepared, kv_caches, self.eps, *self.shape, cos, sin,
+                meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens,
+                self.scale, PACKED_MIN_ROWS, self.reduce,
+            )  # fmt: skip
+        capture = capture or (lambda *_: None)
+        residual = hidden
         for i, layer in enumerate(self.layers):
             capture(i, hidden, residual if i else None)
             hidden = self.kernels.decode_layer(

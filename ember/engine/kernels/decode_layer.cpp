@@ -83,16 +83,17 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 // weights in oneDNN layout (or None); blocks: the same four's GGUF blocks (see linear);
 // qkv_bias optional.
 torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool first,
-                           std::vector<torch::Tensor> weights,
-                           std::vector<c10::optional<torch::Tensor>> packed,
-                           std::vector<std::vector<torch::Tensor>> blocks,
-                           c10::optional<torch::Tensor> qkv_bias, double eps,
-                           int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos,
-                           torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
-                           torch::Tensor slots, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t packed_min_rows,
-                           int64_t block_max_rows, std::vector<int64_t> int8_max_rows,
-                           pybind11::object reduce) {
+                           const std::vector<torch::Tensor>& weights,
+                           const std::vector<c10::optional<torch::Tensor>>& packed,
+                           const std::vector<std::vector<torch::Tensor>>& blocks,
+                           const c10::optional<torch::Tensor>& qkv_bias, double eps,
+                           int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const torch::Tensor& key_cache,
+                           const torch::Tensor& value_cache, const torch::Tensor& slots,
+                           const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                           double scale, int64_t packed_min_rows, int64_t block_max_rows,
+                           const std::vector<int64_t>& int8_max_rows,
+                           const pybind11::object& reduce) {
   // reduce: None, or (tensor parallel) a Python callable summing a tensor over the ranks in
   // place; it gets the o and down projections' partial products (called with the GIL held)
   TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4 &&
@@ -120,6 +121,58 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
   return down;
 }
 
+// One layer's arguments to decode_layer that do not change from step to step, made once
+// (ember.models.llama.FusedDecode): decode_layers then takes a step's layers in one call,
+// with no Python between them and nothing of theirs converted again.
+struct DecodeLayerArgs {
+  std::vector<torch::Tensor> weights;
+  std::vector<c10::optional<torch::Tensor>> packed;
+  std::vector<std::vector<torch::Tensor>> blocks;
+  c10::optional<torch::Tensor> qkv_bias;
+  int64_t block_max_rows;
+  std::vector<int64_t> int8_max_rows;
+};
+
+// Every layer of a decode-only step: decode_layer on each in turn (the first one's residual
+// is `hidden` itself), then hidden + residual, as the Python loop over decode_layer gives.
+// kv_caches: each layer's cache, keys at [0] and values at [1].
+torch::Tensor decode_layers(torch::Tensor hidden,
+                            const std::vector<std::shared_ptr<DecodeLayerArgs>>& layers,
+                            const std::vector<torch::Tensor>& kv_caches,
+                            double eps, int64_t num_heads, int64_t num_kv_heads,
+                            const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& slots, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, double scale,
+                            int64_t packed_min_rows, const pybind11::object& reduce) {
+  TORCH_CHECK(!layers.empty() && kv_caches.size() == layers.size(),
+              "decode_layers: a KV cache for each layer");
+  const torch::Tensor residual = hidden;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DecodeLayerArgs& layer = *layers[i];
+    hidden = decode_layer(hidden, residual, i == 0, layer.weights, layer.packed, layer.blocks,
+                          layer.qkv_bias, eps, num_heads, num_kv_heads, cos, sin,
+                          kv_caches[i][0], kv_caches[i][1], slots, block_tables, context_lens,
+                          scale, packed_min_rows, layer.block_max_rows, layer.int8_max_rows,
+                          reduce);
+  }
+  return hidden + residual;
+}
+
 void register_decode_layer(pybind11::module& m) {
   m.def("decode_layer", &decode_layer, "one decoder layer for a decode-only batch");
+  pybind11::class_<DecodeLayerArgs, std::shared_ptr<DecodeLayerArgs>>(
+      m, "DecodeLayerArgs", "one layer's unchanging arguments to decode_layer")
+      .def(pybind11::init([](std::vector<torch::Tensor> weights,
+                             std::vector<c10::optional<torch::Tensor>> packed,
+                             std::vector<std::vector<torch::Tensor>> blocks,
+                             c10::optional<torch::Tensor> qkv_bias, int64_t block_max_rows,
+                             std::vector<int64_t> int8_max_rows) {
+        TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4 &&
+                        int8_max_rows.size() == 4,
+                    "DecodeLayerArgs: weights");
+        return std::make_shared<DecodeLayerArgs>(DecodeLayerArgs{
+            std::move(weights), std::move(packed), std::move(blocks), std::move(qkv_bias),
+            block_max_rows, std::move(int8_max_rows)});
+      }));
+  m.def("decode_layers", &decode_layers, "every layer of a decode-only step (DecodeLayerArgs)");
 }
