@@ -160,8 +160,11 @@ torch::Tensor decode_layers(torch::Tensor hidden,
 
 void register_decode_layer(pybind11::module& m) {
   m.def("decode_layer", &decode_layer, "one decoder layer for a decode-only batch");
+  // module_local: each ISA's build is its own extension module, and one process may load
+  // several (the tests do); a type registered globally would clash with the next one's
   pybind11::class_<DecodeLayerArgs, std::shared_ptr<DecodeLayerArgs>>(
-      m, "DecodeLayerArgs", "one layer's unchanging arguments to decode_layer")
+      m, "DecodeLayerArgs", "one layer's unchanging arguments to decode_layer",
+      pybind11::module_local())
       .def(pybind11::init([](std::vector<torch::Tensor> weights,
                              std::vector<c10::optional<torch::Tensor>> packed,
                              std::vector<std::vector<torch::Tensor>> blocks,
