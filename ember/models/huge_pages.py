@@ -82,12 +82,13 @@ def gather_blocks(model: nn.Module) -> int:
     if not applies() or not parts or any(p.device.type != "cpu" for p in parts):
         return 0
     sizes = [part.numel() * part.element_size() for part in parts]
-    buffer = huge_page_buffer(sum(_round_up(size, ALIGN) for size in sizes))
+    slots = [_round_up(size, ALIGN) for size in sizes]  # each part's room in the mapping
+    buffer = huge_page_buffer(sum(slots))
     copies, offset = [], 0
-    for part, size in zip(parts, sizes, strict=True):
+    for part, size, slot in zip(parts, sizes, slots, strict=True):
         copies.append(buffer[offset : offset + size].view(part.dtype).view(part.shape))
         copies[-1].copy_(part)
-        offset += _round_up(size, ALIGN)
+        offset += slot
     moved = iter(copies)
     for module, blocks in holders:
         new = [next(moved) for _ in blocks]
