@@ -207,6 +207,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "inter-token latency; 0 turns it off (default %(default)s)",
     )
     parser.add_argument(
+        "--target-itl-ms",
+        type=float,
+        default=d.target_itl_ms,
+        help="while sequences decode, a prompt chunk that would keep their next token past "
+        "this many ms after their last runs its layers a slice at a time, and the decodes "
+        "take steps of their own between slices whenever the next slice would pass it: "
+        "lower inter-token latency under long prompts, for some time to first token; 0 "
+        "turns it off (default %(default)s)",
+    )
+    parser.add_argument(
         "--min-prefill-tokens",
         type=int,
         default=d.min_prefill_tokens,
@@ -404,6 +414,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         nnodes=args.nnodes,
         dist_init_addr=args.dist_init_addr,
         max_step_ms=args.max_step_ms,
+        target_itl_ms=args.target_itl_ms,
         min_prefill_tokens=args.min_prefill_tokens,
         max_prefill_step_tokens=args.max_prefill_step_tokens,
         batch_wait_ms=args.batch_wait_ms,

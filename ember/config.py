@@ -57,6 +57,11 @@ class EngineConfig:
     # time stays within max_step_ms (0: off, chunks fill max_num_batched_tokens), but
     # never below min_prefill_tokens, so long prompts keep moving
     max_step_ms: float = 250.0
+    # while sequences decode, a prompt chunk that would keep their next token past this
+    # many ms after their last runs its layers in slices, and the decodes take steps of
+    # their own between slices whenever the next slice would pass it (EngineCore;
+    # 0: off; one process, no speculative decoding)
+    target_itl_ms: float = 0.0
     min_prefill_tokens: int = 16
     # which prompt a step's prefill budget goes to first: "shortest" (highest response
     # ratio: a short prompt before a long one, none starved; see Scheduler) or "fcfs"
@@ -214,6 +219,8 @@ class EngineConfig:
             raise ValueError(f"batch_wait_ms must be in [0, 1000], got {self.batch_wait_ms!r}")
         if not self.max_step_ms >= 0:
             raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms!r}")
+        if not self.target_itl_ms >= 0:
+            raise ValueError(f"target_itl_ms must be >= 0 (0: off), got {self.target_itl_ms!r}")
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
         if self.max_model_len is not None:

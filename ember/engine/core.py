@@ -23,7 +23,7 @@ from ember.engine.calibration import Calibrator
 from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
-from ember.engine.model_runner import ModelRunner, PendingStep
+from ember.engine.model_runner import ModelRunner, PendingStep, SlicedStep
 from ember.engine.padded_rows import PrimitiveWarmer
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler, SchedulerOutput
@@ -85,6 +85,12 @@ class EngineCore:
         self.speculator = make_speculator(
             config, self.runner, self.kv_cache, self.max_model_len, self.step_cost
         )
+        # a prompt step's layers in slices, decode steps between them (_sliced_step): one
+        # process, one step at a time, no drafts (EAGLE-3 reads the prompt's hidden
+        # states, which a decode step between would replace)
+        one = alone and config.world_size == 1 and self.speculator is None
+        self.target_itl_ms = config.target_itl_ms if one else 0.0
+        self._decoded_at = time.perf_counter()  # the end of the last step with decodes
         self.calibrator = Calibrator(
             self.runner, self.kv_cache, self.step_cost, self.max_model_len,
             model_config.vocab_size,
@@ -353,15 +359,75 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.steps_in_flight > 1:
             return self._pipelined_step()
+        if self._in_flight:  # a prompt's prefill in slices, decodes between them
+            return self._sliced_step()
         drafts = self._drafts()  # timed on their own (the proposer's cost)
         start = time.perf_counter()
         sched_out = self.scheduler.schedule(drafts)
         if sched_out.empty:
             return []
+        if self._slice_prompts(sched_out, start):
+            return self._sliced_step()
         shape = sched_out.shape()
         predicted_ms = self.step_cost.predict_ms(shape)
         step = self.runner.execute(sched_out)
         return self._update(InFlight(sched_out, None, shape, predicted_ms, start), step)
+
+    def _decode_age_ms(self) -> float:
+        """Since the running decodes last got tokens (the end of the last step with decodes)."""
+        return (time.perf_counter() - self._decoded_at) * 1e3
+
+    def _slice_prompts(self, sched_out: SchedulerOutput, start: float) -> bool:
+        """`target_itl_ms`: whether this step's prompt chunks go in flight to run a slice
+        of layers at a time (`_sliced_step`), as the step with the decodes beside them is
+        predicted to give the decodes their next token later than the target. Its decodes
+        are then left out (scheduled again when due: a step schedules only what it runs)."""
+        chunks = [s for s in sched_out.scheduled if s.num_new_tokens > 1]
+        if self.target_itl_ms <= 0 or not chunks or len(chunks) == len(sched_out.scheduled):
+            return False
+        whole_ms = self.step_cost.predict_ms(sched_out.shape())
+        if self._decode_age_ms() + whole_ms <= self.target_itl_ms:
+            return False
+        prompts = SchedulerOutput(chunks, prefill_cap=sched_out.prefill_cap)
+        shape = prompts.shape()
+        predicted_ms = self.step_cost.predict_ms(shape)
+        # slices of about a quarter of the target: a decode step comes within it
+        num_layers = self.runner.num_local_layers
+        per_layer_ms = max(predicted_ms / num_layers, 1e-3)
+        per_slice = min(max(int(self.target_itl_ms / 4 / per_layer_ms), 1), num_layers)
+        pending = self.runner.submit_sliced(prompts, per_slice)
+        pending.slice_ms = per_slice * per_layer_ms
+        self._in_flight.append(InFlight(prompts, pending, shape, predicted_ms, start))
+        self.step_stats.num_sliced += 1
+        return True
+
+    def _sliced_step(self) -> list[EngineCoreOutput]:
+        """With a prompt step in slices: its slices, until the running decodes (all but the
+        prompts in flight) are due a step of their own, the next slice and a decode step
+        after it passing `target_itl_ms` since their last tokens; that step's tokens, or
+        the prompts' once their last slice has run. A slice runs after every decode step,
+        so that the prompts move on however long a slice takes."""
+        pending = self._in_flight[0].pending
+        while True:
+            decoding = [
+                r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1
+            ]  # (the prompts in flight have more than one token to compute)
+            if decoding and not pending.decoded:
+                decode_ms = self.step_cost.predict_ms(StepShape(num_decode_rows=len(decoding)))
+                due = self._decode_age_ms() + pending.slice_ms + decode_ms > self.target_itl_ms
+                if due:
+                    start = time.perf_counter()
+                    busy = self._busy()
+                    out = self.scheduler.schedule(self._drafts(), busy=busy, decodes_only=True)
+                    if not out.empty:
+                        pending.decoded = True
+                        shape = out.shape()
+                        step = self.runner.execute(out)
+                        done = InFlight(out, None, shape, self.step_cost.predict_ms(shape), start)
+                        return self._update(done, step)
+            pending.decoded = False
+            if self.runner.run_slice(pending):
+                return self._finish_oldest()
 
     def _pipelined_step(self) -> list[EngineCoreOutput]:
         """Pipeline parallel: steps are submitted until `steps_in_flight` are, each of the
@@ -384,6 +450,11 @@ class EngineCore:
             )
         if not self._in_flight:
             return []
+        return self._finish_oldest()
+
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        """Finishes the oldest step in flight: its tokens, then the aborts that waited
+        for it."""
         oldest = self._in_flight.popleft()
         waiting = {i: self._sequence_ids.get(i, [i]) for i in self._aborts_due}
         outputs = self._update(oldest, self.runner.finish(oldest.pending))
@@ -398,8 +469,8 @@ class EngineCore:
         return outputs
 
     def _busy(self) -> dict[str, int]:
-        """The sequences in steps not yet finished (pipeline parallel), with their tokens
-        in those steps."""
+        """The sequences in steps not yet finished (pipeline parallel, or a prompt step in
+        slices), with their tokens in those steps."""
         busy: dict[str, int] = {}
         for step in self._in_flight:
             for sched in step.out.scheduled:
@@ -411,6 +482,9 @@ class EngineCore:
         """Finishes the steps in flight, dropping their tokens (before close)."""
         while self._in_flight:
             oldest = self._in_flight.popleft()
+            if isinstance(oldest.pending, SlicedStep):
+                while not self.runner.run_slice(oldest.pending):
+                    pass
             self.scheduler.update(oldest.out, self.runner.finish(oldest.pending).sampled())
 
     def _update(self, done: InFlight, step) -> list[EngineCoreOutput]:
@@ -430,8 +504,12 @@ class EngineCore:
             for request in finished:
                 self.speculator.forget(request)
         measured_ms = (time.perf_counter() - done.start) * 1e3
-        if done.pending is None:  # (a pipelined step's time includes the others')
-            self.step_cost.observe(shape, measured_ms)
+        if shape.num_decode_rows:
+            self._decoded_at = time.perf_counter()
+        if isinstance(done.pending, SlicedStep):  # its own time, not the decodes' between
+            measured_ms = done.pending.own_ms()
+        if done.pending is None or isinstance(done.pending, SlicedStep):
+            self.step_cost.observe(shape, measured_ms)  # (a pipelined one's has the others')
         if self.speculator is not None:
             self.speculator.observe_step(shape, len(sched_out.scheduled), measured_ms)
         self.step_stats.record(sched_out.prefill_cap, shape, done.predicted_ms, measured_ms)
@@ -536,6 +614,7 @@ class StepStats:
         self.num_steps = 0
         self.measured_ms = self.predicted_ms = self.error_ms = 0.0
         self.num_capped = 0
+        self.num_sliced = 0  # prompt steps run a slice of layers at a time (target_itl_ms)
         self.last_prefill_cap = 0  # of the last step the budget capped
         self.num_overlapped = 0  # steps submitted while another was in flight (pipeline)
 

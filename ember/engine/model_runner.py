@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from ember.models.layers import (
     planned_weight_bytes,
     use_int8_activations,
 )
+from ember.models.llama import LayerPass
 from ember.models.moe import SparseMoE
 
 logger = logging.getLogger("ember.engine")
@@ -409,6 +411,35 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return PendingStep(batch, hidden, sample_idx)
 
+    @torch.inference_mode()
+    def submit_sliced(self, out: SchedulerOutput, layers_per_slice: int) -> SlicedStep:
+        """A step whose layers run `layers_per_slice` at a time (`run_slice`), other steps
+        between the slices (a prompt's prefill, decode steps between: target_itl_ms); its
+        inputs made and embedded now, no layer run yet. Then `finish` as any step."""
+        start = time.perf_counter()
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        batch = decodes + [s for s in out.scheduled if s.num_new_tokens > 1]
+        input_ids, positions, meta, sample_idx = self._prepare(batch, len(decodes))
+        layer_pass = self.model.begin_layers(input_ids, positions, self.kv_caches, meta)
+        step = SlicedStep(batch, None, sample_idx, layer_pass, layers_per_slice)
+        step.ran(start)
+        return step
+
+    @torch.inference_mode()
+    def run_slice(self, step: SlicedStep) -> bool:
+        """The sliced step's next slice of layers; True once its last has run."""
+        start = time.perf_counter()
+        done = self.model.run_layers(step.layer_pass, step.layers_per_slice)
+        if done:
+            step.hidden, step.layer_pass = step.layer_pass.hidden, None
+        step.ran(start)
+        return done
+
+    @property
+    def num_local_layers(self) -> int:
+        """The decoder layers this process runs (its pipeline stage's)."""
+        return len(self.kv_layers)
+
     def _submit_ranks(self, out: SchedulerOutput) -> PendingStep:
         """Data-parallel attention: each rank runs its own requests (ScheduledRequest.rank),
         in their blocks of its pool; the batch in rank order, as the hidden states come."""
@@ -495,6 +526,28 @@ class PendingStep:
     batch: list[ScheduledRequest]
     hidden: torch.Tensor | Any
     sample_idx: torch.Tensor
+
+
+@dataclass
+class SlicedStep(PendingStep):
+    """A step run a slice of layers at a time (ModelRunner.submit_sliced): `hidden` is
+    set once the last slice has run; `run_ms`, the slices' time so far."""
+
+    layer_pass: LayerPass | None = None
+    layers_per_slice: int = 1
+    run_ms: float = 0.0
+    slice_ms: float = 0.0  # a slice's predicted time
+    decoded: bool = False  # a decode step ran since its last slice
+    last_end: float = 0.0  # time.perf_counter() when its last piece of work ended
+
+    def ran(self, start: float) -> None:
+        """Counts a piece of its work that began at `start` and ends now."""
+        self.last_end = time.perf_counter()
+        self.run_ms += (self.last_end - start) * 1e3
+
+    def own_ms(self) -> float:
+        """Its time: its inputs and slices, and since the last slice (sampling)."""
+        return self.run_ms + (time.perf_counter() - self.last_end) * 1e3
 
 
 @contextlib.contextmanager

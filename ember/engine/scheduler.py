@@ -250,6 +250,7 @@ class Scheduler:
         drafts: dict[str, list[int]] | None = None,
         busy: dict[str, int] | None = None,
         max_scheduled: int | None = None,
+        decodes_only: bool = False,
     ) -> SchedulerOutput:
         """This step's work; `drafts`: draft tokens (by request id) for running requests
         that decode, each computed after the request's known token if the step has room.
@@ -260,15 +261,22 @@ class Scheduler:
         leaves out, but for the next chunk of a prompt whose last chunk is in flight:
         the stages run steps in order, so that chunk reads the KV the one before wrote.
         `max_scheduled`: the most requests this step takes, so that the running ones
-        spread over the steps in flight."""
+        spread over the steps in flight. `decodes_only`: a step of the running requests'
+        decodes alone (between the slices of a prompt's prefill in flight), no prompt
+        admitted or continued."""
         busy = busy or {}
         if self.connector is not None:
             self._end_loads()
             for key in self.connector.collect():
                 self.kv_cache.release_held(key)
         out = SchedulerOutput()
-        budget = self._budget(out)
         limit = max_scheduled if max_scheduled is not None else len(self.requests) + 1
+        if decodes_only:
+            self._schedule_running(
+                out, _Budget(self.max_num_batched_tokens, 0), drafts or {}, busy, limit
+            )
+            return out
+        budget = self._budget(out)
         later = self._order_prompts(busy) if self.policy == "shortest" else set()
         self._schedule_running(out, budget, drafts or {}, busy, limit, later)
         if not out.preempted and not (busy and out.blocked):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Set
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -239,19 +240,57 @@ class LlamaModel(nn.Module):
         if self.fused_decode is not None and not meta.prefills and fused:
             capture = self._capture if self.capture_layers else None
             return self.fused_decode(hidden, cos_sin, kv_caches, meta, capture)
-        residual = None
-        layers = zip(self.stage_layers, self.local_layers, kv_caches, strict=True)
-        for i, layer, kv_cache in layers:
+        layer_pass = LayerPass(hidden, kv_caches, meta, cos_sin)
+        self.run_layers(layer_pass, len(self.local_layers))
+        return layer_pass.hidden
+
+    def begin_layers(self, input_ids, positions, kv_caches, meta) -> LayerPass:
+        """A pass over this stage's layers (the first stage's, from `input_ids`) that
+        `run_layers` takes a few layers at a time: a prompt's prefill in slices, with
+        other sequences' decode steps between them (EngineConfig.target_itl_ms)."""
+        hidden = self.embed_tokens(input_ids).to(self.dtype)
+        self.captured = []
+        return LayerPass(hidden, kv_caches, meta, self.rotary_emb.cos_sin(positions, hidden.dtype))
+
+    def run_layers(self, layer_pass: LayerPass, num_layers: int) -> bool:
+        """Runs the pass's next `num_layers` layers (or those left); True once it has run
+        them all, `layer_pass.hidden` then being the residual stream after them."""
+        hidden, residual, meta, cos_sin = (
+            layer_pass.hidden, layer_pass.residual, layer_pass.meta, layer_pass.cos_sin
+        )  # fmt: skip
+        stop = min(layer_pass.next_layer + num_layers, len(self.local_layers))
+        for local in range(layer_pass.next_layer, stop):
+            i = self.stage_layers[local]
             self._capture(i, hidden, residual)
+            layer, kv_cache = self.local_layers[local], layer_pass.kv_caches[local]
             hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+        layer_pass.next_layer = stop
+        if stop < len(self.local_layers):
+            layer_pass.hidden, layer_pass.residual = hidden, residual
+            return False
         self._capture(self.stage_layers.stop, hidden, residual)
-        return hidden + residual
+        layer_pass.hidden, layer_pass.residual = hidden + residual, None
+        return True
 
     def _capture(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         """Keeps the residual stream before `layer` if asked for (a copy: the layers add
         to the residual in place)."""
         if layer in self.capture_layers:
             self.captured.append(hidden.clone() if residual is None else hidden + residual)
+
+
+@dataclass
+class LayerPass:
+    """A forward pass between layers: the residual stream so far (`hidden`, `residual`
+    as the last layer returned them; `hidden` alone, the input, before the first) and
+    what every layer of the pass reads."""
+
+    hidden: torch.Tensor
+    kv_caches: list
+    meta: AttentionMetadata
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
+    residual: torch.Tensor | None = None
+    next_layer: int = 0  # among the stage's layers
 
 
 class FusedLayer(NamedTuple):
@@ -392,6 +431,13 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of this step's tokens (before the final norm); of a
         pipeline stage, after its layers, from the previous stage's (`hidden`)."""
         return self.model(input_ids, positions, kv_caches, meta, hidden)
+
+    def begin_layers(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> LayerPass:
+        """A forward pass to run a few layers at a time (LlamaModel.begin_layers)."""
+        return self.model.begin_layers(input_ids, positions, kv_caches, meta)
+
+    def run_layers(self, layer_pass: LayerPass, num_layers: int) -> bool:
+        return self.model.run_layers(layer_pass, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the residual stream's dtype (16+ rows under bf16_prefill multiply in bf16)."""

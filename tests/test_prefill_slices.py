@@ -1,0 +1,135 @@
+"""A prompt's prefill a slice of layers at a time (`target_itl_ms`): the decodes running
+beside it take steps of their own between the slices, the tokens stay transformers'
+greedy ones, an abort of a prompt in slices waits for its last slice, and no KV block is
+left behind. Prefill is made dear in the cost model, so that every prompt chunk beside a
+decode goes in slices and every slice is followed by a decode step."""
+
+from __future__ import annotations
+
+import pytest
+from test_models import GREEDY, PROMPTS, SMALL_KV, hf_reference, token_ids
+from test_scheduler import FakeRunner, make_request, make_scheduler, scheduled_tokens, tokens
+
+from conftest import ARCHS
+from ember import LLM, SamplingParams
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.engine.messages import EngineCoreRequest
+from ember.engine.step_cost import StepCoefficients, StepCostModel
+
+# every prompt chunk predicted at seconds: past any target, sliced one layer at a time
+DEAR = StepCoefficients(base=1.0, per_prefill_token=1e4, per_decode_row=1.0)
+
+
+def dear_prefill(core: EngineCore) -> None:
+    core.step_cost = core.scheduler.cost_model = StepCostModel(DEAR, prior_weight=1e12)
+
+
+def record_events(core: EngineCore) -> list[str]:
+    """'slice' for every slice run, 'decodes' / 'mixed' / 'prompts' for every step run
+    whole, in order."""
+    events: list[str] = []
+    runner = core.runner
+    run_slice, execute = runner.run_slice, runner.execute
+
+    def timed_slice(step):
+        events.append("slice")
+        return run_slice(step)
+
+    def timed_execute(out):
+        kinds = {s.num_new_tokens > 1 for s in out.scheduled}
+        events.append(
+            {frozenset([False]): "decodes", frozenset([True]): "prompts"}.get(
+                frozenset(kinds), "mixed"
+            )
+        )
+        return execute(out)
+
+    runner.run_slice, runner.execute = timed_slice, timed_execute
+    return events
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_slices_with_decodes_between_match_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    _, expected = hf_reference(path, arch)
+    llm = LLM(str(path), target_itl_ms=50, max_num_batched_tokens=48, max_num_seqs=3, **SMALL_KV)
+    core = llm.engine.core
+    dear_prefill(core)
+    events = record_events(core)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    num_layers = core.runner.num_local_layers
+    assert num_layers >= 2 and core.step_stats.num_sliced >= 3
+    # a slice of one layer each; a decode step before every slice but the first of a step
+    runs = "".join("s" if e == "slice" else e[0] for e in events)
+    assert "s" * num_layers not in runs and "mixed" not in events
+    assert runs.count("s") == num_layers * core.step_stats.num_sliced
+    assert ("sd" * (num_layers - 1)) in runs
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+
+
+def test_a_prompt_aborted_in_slices_waits_for_its_last_slice(tiny_checkpoint):
+    """Aborted between its slices, a prompt gets no token, the decodes beside it and the
+    prompts after it finish, and every block is back in the pool."""
+    config = EngineConfig(
+        model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24, target_itl_ms=50,
+        max_num_batched_tokens=48,
+    )  # fmt: skip
+    core = EngineCore.from_config(config)
+    try:
+        dear_prefill(core)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        core.add_request(EngineCoreRequest("short", PROMPTS[1], params, 12, [1]))
+        while not core.step():  # its prefill, then it decodes
+            pass
+        core.add_request(EngineCoreRequest("long", PROMPTS[0], params, 12, [1]))
+        core.add_request(EngineCoreRequest("after", PROMPTS[2], params, 12, [1]))
+        core.step()  # a prompt's first chunk goes in slices, "short" decodes
+        (victim,) = [s.request.request_id for s in core._in_flight[0].out.scheduled]
+        core.abort_requests([victim])
+        assert victim in core.scheduler.requests  # its slices are not done yet
+        finished = set()
+        while core.has_unfinished():
+            outputs = core.step()
+            assert victim not in {o.request_id for o in outputs}
+            finished |= {o.request_id for o in outputs if o.finish_reason}
+        assert finished == {"short", "long", "after"} - {victim}
+        assert victim not in core.scheduler.requests
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    finally:
+        core.close()
+
+
+def test_a_step_within_the_target_runs_whole(tiny_checkpoint):
+    """Where the step with its decodes is predicted within the target, nothing is sliced
+    (the tiny model's own costs: milliseconds)."""
+    llm = LLM(str(tiny_checkpoint("llama")), target_itl_ms=10_000, max_num_batched_tokens=48,
+              **SMALL_KV)  # fmt: skip
+    events = record_events(llm.engine.core)
+    llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.core.step_stats.num_sliced == 0 and "slice" not in events
+    assert "mixed" in events
+
+
+def test_a_decodes_only_step_takes_no_prompt_token():
+    """Between a prompt's slices the scheduler gives the running decodes a step and
+    nothing else: no chunk of a running prompt (in flight or not), no waiting prompt."""
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    runner = FakeRunner(scheduler)
+    scheduler.add(make_request("a", tokens(0, 5), max_tokens=8))
+    scheduler.add(make_request("b", tokens(100, 5), max_tokens=8))
+    runner.step()  # both prompts: a and b decode from here
+    scheduler.add(make_request("long", tokens(200, 100), max_tokens=2))
+    scheduler.add(make_request("other", tokens(400, 60), max_tokens=2))
+    out = scheduler.schedule()
+    assert scheduled_tokens(out) == {"a": 1, "b": 1, "long": 30}
+    busy = {"long": 30}  # its chunk in flight; "other" waits, "long" has chunks left
+    decodes = scheduler.schedule(busy=busy, decodes_only=True)
+    assert scheduled_tokens(decodes) == {"a": 1, "b": 1}
+    assert [r.request_id for r in scheduler.waiting] == ["other"]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_target_itl_ms_is_checked(bad):
+    with pytest.raises(ValueError, match="target_itl_ms must be >= 0"):
+        EngineConfig(model="x", target_itl_ms=bad)
