@@ -1,8 +1,9 @@
 """A prompt's prefill a slice of layers at a time (`target_itl_ms`): the decodes running
 beside it take steps of their own between the slices, the tokens stay transformers'
 greedy ones, an abort of a prompt in slices waits for its last slice, and no KV block is
-left behind. Prefill is made dear in the cost model, so that every prompt chunk beside a
-decode goes in slices and every slice is followed by a decode step."""
+left behind. A target of a microsecond slices every prompt chunk beside a decode one
+layer at a time, with a decode step after every slice (prefill made dear in the cost
+model keeps chunks short, so that there are many)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.step_cost import StepCoefficients, StepCostModel
 
-# every prompt chunk predicted at seconds: past any target, sliced one layer at a time
+# every prompt chunk predicted at seconds: the step budget cuts chunks to the floor
 DEAR = StepCoefficients(base=1.0, per_prefill_token=1e4, per_decode_row=1.0)
 
 
@@ -53,7 +54,8 @@ def record_events(core: EngineCore) -> list[str]:
 def test_prefill_slices_with_decodes_between_match_transformers(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     _, expected = hf_reference(path, arch)
-    llm = LLM(str(path), target_itl_ms=50, max_num_batched_tokens=48, max_num_seqs=3, **SMALL_KV)
+    options = dict(target_itl_ms=1e-3, max_num_batched_tokens=48, max_num_seqs=3)
+    llm = LLM(str(path), **options, **SMALL_KV)
     core = llm.engine.core
     dear_prefill(core)
     events = record_events(core)
@@ -72,7 +74,7 @@ def test_a_prompt_aborted_in_slices_waits_for_its_last_slice(tiny_checkpoint):
     """Aborted between its slices, a prompt gets no token, the decodes beside it and the
     prompts after it finish, and every block is back in the pool."""
     config = EngineConfig(
-        model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24, target_itl_ms=50,
+        model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24, target_itl_ms=1e-3,
         max_num_batched_tokens=48,
     )  # fmt: skip
     core = EngineCore.from_config(config)
@@ -98,6 +100,23 @@ def test_a_prompt_aborted_in_slices_waits_for_its_last_slice(tiny_checkpoint):
         assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
     finally:
         core.close()
+
+
+def test_slices_measured_well_within_the_target_run_back_to_back(tiny_checkpoint):
+    """The first slice is predicted (from the dear cost model) past the target, so the
+    decodes get their step first; the slices after it are predicted from what it took (a
+    millisecond on the tiny model), and run back to back while the decodes' last tokens
+    are younger than the 2 s target."""
+    path = tiny_checkpoint("llama")
+    _, expected = hf_reference(path, "llama")
+    options = dict(target_itl_ms=2000, max_num_batched_tokens=48, max_num_seqs=3)
+    llm = LLM(str(path), **options, **SMALL_KV)
+    core = llm.engine.core
+    dear_prefill(core)
+    events = record_events(core)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    runs = "".join("s" if e == "slice" else e[0] for e in events)
+    assert core.step_stats.num_sliced >= 2 and runs.count("dss") == core.step_stats.num_sliced
 
 
 def test_a_step_within_the_target_runs_whole(tiny_checkpoint):

@@ -38,6 +38,12 @@ from ember.model_config import ModelConfig
 logger = logging.getLogger("ember.engine")
 
 
+# target_itl_ms: a prompt's slices take about this share of the target each, so that the
+# decodes get their step close to it (with quarters, the trace's gaps were 75-100 ms at a
+# 100 ms target: more decode steps than it needs)
+SLICE_SHARE = 0.1
+
+
 class EngineCore:
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, checkpoint: Checkpoint
@@ -391,10 +397,10 @@ class EngineCore:
         prompts = SchedulerOutput(chunks, prefill_cap=sched_out.prefill_cap)
         shape = prompts.shape()
         predicted_ms = self.step_cost.predict_ms(shape)
-        # slices of about a quarter of the target: a decode step comes within it
+        # slices of a tenth of the target: a decode step comes close to it, no sooner
         num_layers = self.runner.num_local_layers
         per_layer_ms = max(predicted_ms / num_layers, 1e-3)
-        per_slice = min(max(int(self.target_itl_ms / 4 / per_layer_ms), 1), num_layers)
+        per_slice = min(max(int(self.target_itl_ms * SLICE_SHARE / per_layer_ms), 1), num_layers)
         pending = self.runner.submit_sliced(prompts, per_slice)
         pending.slice_ms = per_slice * per_layer_ms
         self._in_flight.append(InFlight(prompts, pending, shape, predicted_ms, start))
@@ -414,7 +420,8 @@ class EngineCore:
             ]  # (the prompts in flight have more than one token to compute)
             if decoding and not pending.decoded:
                 decode_ms = self.step_cost.predict_ms(StepShape(num_decode_rows=len(decoding)))
-                due = self._decode_age_ms() + pending.slice_ms + decode_ms > self.target_itl_ms
+                next_ms = pending.next_slice_ms()
+                due = self._decode_age_ms() + next_ms + decode_ms > self.target_itl_ms
                 if due:
                     start = time.perf_counter()
                     busy = self._busy()

@@ -433,6 +433,8 @@ class ModelRunner:
         if done:
             step.hidden, step.layer_pass = step.layer_pass.hidden, None
         step.ran(start)
+        step.num_slices_run += 1
+        step.slices_ms += (step.last_end - start) * 1e3
         return done
 
     @property
@@ -539,6 +541,12 @@ class SlicedStep(PendingStep):
     slice_ms: float = 0.0  # a slice's predicted time
     decoded: bool = False  # a decode step ran since its last slice
     last_end: float = 0.0  # time.perf_counter() when its last piece of work ended
+    num_slices_run: int = 0
+    slices_ms: float = 0.0  # what they took
+
+    def next_slice_ms(self) -> float:
+        """The next slice's time: what the slices so far took each, or as predicted."""
+        return self.slices_ms / self.num_slices_run if self.num_slices_run else self.slice_ms
 
     def ran(self, start: float) -> None:
         """Counts a piece of its work that began at `start` and ends now."""
