@@ -66,6 +66,7 @@ def test_prefill_slices_with_decodes_between_match_transformers(tiny_checkpoint,
     runs = "".join("s" if e == "slice" else e[0] for e in events)
     assert "s" * num_layers not in runs and "mixed" not in events
     assert runs.count("s") == num_layers * core.step_stats.num_sliced
+    assert core.stats().num_sliced_steps == core.step_stats.num_sliced  # (/metrics)
     assert ("sd" * (num_layers - 1)) in runs
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
 

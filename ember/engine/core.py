@@ -586,6 +586,7 @@ class EngineCore:
             step_predicted_seconds=self.step_stats.predicted_ms / 1e3,
             step_error_seconds=self.step_stats.error_ms / 1e3,
             num_capped_steps=self.step_stats.num_capped,
+            num_sliced_steps=self.step_stats.num_sliced,
             last_prefill_cap=self.step_stats.last_prefill_cap,
             expert_tokens=self._expert_tokens(),
             spec_decode=None if self.speculator is None else self.speculator.stats.as_dict(),

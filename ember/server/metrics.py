@@ -97,6 +97,12 @@ class ServerMetrics:
             "budget (--max-step-ms) shrank so that running decodes stay fast, since start.",
             labels, registry=r,
         )  # fmt: skip
+        self.sliced_steps = Gauge(
+            "ember_engine_sliced_prompt_steps", "Steps of prompt chunks run a slice of "
+            "layers at a time, decodes stepping between the slices (--target-itl-ms), "
+            "since start.",
+            labels, registry=r,
+        )  # fmt: skip
         self.prefill_cap = Gauge(
             "ember_engine_step_budget_prefill_tokens", "The prefill tokens the step budget "
             "allowed the last step it shrank.", labels, registry=r,
@@ -179,6 +185,7 @@ class ServerMetrics:
         self.step_seconds.labels(name, "predicted").set(stats.step_predicted_seconds)
         self.step_seconds.labels(name, "error").set(stats.step_error_seconds)
         self.capped_steps.labels(name).set(stats.num_capped_steps)
+        self.sliced_steps.labels(name).set(stats.num_sliced_steps)
         self.prefill_cap.labels(name).set(stats.last_prefill_cap)
         if (spec := stats.spec_decode) is not None:
             self.spec_tokens.labels(name, "draft").set(spec["num_draft_tokens"])
