@@ -59,32 +59,25 @@ inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf exp(vf v) { return Sleef_expf16_u10(v); }
 inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
-// 2^n times the degree-D Taylor polynomial of 2^f = e^(f ln 2), for n = t rounded and
-// f = t - n in [-1/2, 1/2]: within 3e-7 of 2^t relatively at degree 7, 3e-6 at degree 5
-// (bf16 weights round to 4e-3); t below -126 gives a denormal or 0, callers bound it.
-// Inline (this build only): Sleef's exp, called per vector, was a fifth of the AMX
-// attention's time (prefill_amx_tile.inc).
-template <int D>
-inline vf exp2_taylor(vf t) {
-  const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // in ln 2 / 2
-  float factorial = 1.f;  // D!, then down: p = 1/D!, then p f + 1/(D-1)!, ..., p f + 1/0!
-  for (int k = 2; k <= D; ++k) factorial *= static_cast<float>(k);
-  vf p = _mm512_set1_ps(1.f / factorial);
-  for (int k = D; k >= 1; --k) {
-    factorial /= static_cast<float>(k);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / factorial));
-  }
-  return _mm512_scalef_ps(p, n);
+// 2^t for t up to 2^127 (0 for -inf and far below): 2^(t - floor t) on a degree-4
+// polynomial fitted for relative error over [0, 1) (within 2.7e-6, as a degree-5 Taylor
+// series), then scaled by 2^floor(t), which scalef takes from t itself. Six operations
+// (the series with its rounding, clamp and ln 2 took ten): the AMX prefill attention's
+// softmax and bf16 silu_and_mul take it.
+inline vf exp2_bounded(vf t) {
+  const vf f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor t
+  vf p = _mm512_fmadd_ps(_mm512_set1_ps(0.013534151f), f, _mm512_set1_ps(0.052011490f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24144274f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69300383f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026f));
+  return _mm512_scalef_ps(p, t);
 }
-// 2^t for t <= 0 (a rounding above 0 too; 0 below -126, -inf and NaN included)
-inline vf exp2_nonpositive(vf t) {
-  const __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(in_range, exp2_taylor<7>(t));
+// 1 / x to within 2^-22 or so: the 14-bit estimate and a Newton step (a division's
+// throughput is a few times that on a zmm register)
+inline vf reciprocal(vf x) {
+  const vf r = _mm512_rcp14_ps(x);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
 }
-// e^x for x <= 0 (0 below -87), as 2^(x log2 e): x log2 e rounds to 6e-8 of itself, which
-// for x down to -87 (e^x 1e-38) is 5e-6 of the result. bf16 silu_and_mul takes it.
-inline vf exp_nonpositive(vf x) { return exp2_nonpositive(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f))); }
 
 // kLanes pairs of bf16, a pair per 32-bit lane (the low half first), and each half
 // widened to float32
