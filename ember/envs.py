@@ -105,8 +105,9 @@ def node_join_timeout() -> float:
 
 
 def huge_pages() -> bool:
-    """Whether the GGUF blocks decode steps stream go into a mapping of 2 MB pages
-    (ember.models.huge_pages): $EMBER_HUGE_PAGES, 1 (default) or 0."""
+    """Whether the GGUF blocks decode steps stream, and a CPU KV pool, go into mappings of
+    2 MB pages (ember.models.huge_pages, ember.kv.buffers): $EMBER_HUGE_PAGES, 1 (default)
+    or 0."""
     value = os.environ.get("EMBER_HUGE_PAGES", "").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"EMBER_HUGE_PAGES must be 0 or 1; got {value!r}")

@@ -18,6 +18,7 @@ from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
 from ember.kv import buffers
+from ember.models import huge_pages
 from ember.sampling_params import SamplingParams
 from server_utils import EmberServer
 
@@ -45,8 +46,12 @@ def kv_shape(num_blocks: int) -> tuple[int, ...]:
     return (2, num_blocks, 16, 2, 64)  # 16 KiB a block and layer (keys, values)
 
 
-@pytest.mark.parametrize("shm", [False, True])
-def test_a_new_pool_holds_no_memory_until_a_block_is_written(shm):
+@pytest.mark.parametrize("shm, huge", [(False, "1"), (False, "0"), (True, "1")])
+def test_a_new_pool_holds_no_memory_until_a_block_is_written(shm, huge, monkeypatch):
+    """Untouched, a pool holds no memory; a block written takes the pages under it: a 2 MB
+    page or two where the anonymous pool is advised onto them (EMBER_HUGE_PAGES, Linux:
+    it then starts on a 2 MB boundary), a few 4 KB ones otherwise (the /dev/shm file)."""
+    monkeypatch.setenv("EMBER_HUGE_PAGES", huge)
     layers, path = buffers.allocate(kv_shape(2048), 8, torch.float32, "cpu", shm=shm)
     try:
         total = sum(t.numel() * t.element_size() for t in layers)
@@ -54,9 +59,12 @@ def test_a_new_pool_holds_no_memory_until_a_block_is_written(shm):
         assert resident_bytes(layers) == 0
         if path is not None:  # nor in the file that decode workers map
             assert os.stat(path).st_blocks == 0
+        advised = not shm and huge_pages.applies()
+        assert (layers[0].data_ptr() % huge_pages.HUGE_PAGE == 0) or not advised
 
         layers[3][1, 7].fill_(1.0)  # one block's values in one layer: 8 KiB, two pages
-        assert 0 < resident_bytes(layers) <= 4 * PAGE
+        limit = 2 * huge_pages.HUGE_PAGE if advised else 4 * PAGE
+        assert 0 < resident_bytes(layers) <= limit
         assert float(layers[3][1, 7].sum()) == 16 * 2 * 64
         assert float(layers[5].abs().sum()) == 0.0  # untouched memory reads as zeros
     finally:
@@ -93,14 +101,19 @@ def test_an_engine_starts_without_touching_its_pool_and_still_generates(
             outputs += core.step()
         assert len([t for o in outputs for t in o.new_token_ids]) == 8
         used = resident_bytes(kv)  # the blocks of 48 tokens, in every layer
-        assert 0 < used < pool / 100
+        parts = sum(t.shape[0] for t in kv)  # keys and values of each layer
+        advised = role == "mixed" and huge_pages.applies()  # (2 MB pages: one or two a part)
+        assert 0 < used <= (2 * huge_pages.HUGE_PAGE * parts if advised else pool / 100)
     finally:
         core.close()
 
 
 @pytest.mark.parametrize("shm", [False, True])
 @pytest.mark.parametrize("madvise", [True, False])  # False: the page-touching fallback
-def test_the_prefaulter_takes_every_page_and_changes_no_byte(shm, madvise):
+def test_the_prefaulter_takes_every_page_and_changes_no_byte(shm, madvise, monkeypatch):
+    # 4 KB pages, so that the pool's residency follows the slices (2 MB ones hold 256 of
+    # these blocks each: the test above)
+    monkeypatch.setenv("EMBER_HUGE_PAGES", "0")
     layers, path = buffers.allocate(kv_shape(512), 4, torch.float32, "cpu", shm=shm)
     try:
 

@@ -16,7 +16,8 @@ step first writes to them. A 4 GB pool costs no time and no memory at start. Pag
 inside a step are dear, though (measured on a 2-core VM: 180k page faults cost a
 40-request trace 1.2-2 s of its ~10 s), so an idle engine hands the pool its pages ahead
 of use, a slice of blocks at a time, lowest block ids first (the order the block pool
-gives them out): `Prefaulter`. On CUDA the pool is zeroed (a device memset, about a
+gives them out): `Prefaulter`. The anonymous mapping is advised onto 2 MB pages
+(`EMBER_HUGE_PAGES`, as the decode weights are). On CUDA the pool is zeroed (a device memset, about a
 millisecond per 10 GB): the SDPA decode path reads the masked-off tail of a sequence's
 last block, and a masked NaN left by an earlier allocation would still poison it.
 """
@@ -98,7 +99,15 @@ def map_shared(
 
 def _anonymous(num_bytes: int) -> torch.Tensor:
     """Bytes of a private anonymous mapping: zero pages, each allocated on first touch.
-    (torch.zeros would write every page now; torch.empty gives no such promise.)"""
+    (torch.zeros would write every page now; torch.empty gives no such promise.) Advised
+    onto 2 MB pages where ember.models.huge_pages applies: a decode step reads each
+    sequence's blocks from all over the pool, and on 4 KB pages every block crossed a TLB
+    entry or two (6 sequences of 1,500 tokens, 30 layers: decode steps 23.5-26.4 ->
+    22.5-23.1 ms on the 2-core AMX Xeon, docs/benchmarks.md)."""
+    from ember.models import huge_pages  # (the engine core's: not at import, for the others)
+
+    if huge_pages.applies() and num_bytes:
+        return huge_pages.huge_page_buffer(num_bytes)
     memory = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(memory, dtype=torch.uint8, count=num_bytes)  # keeps `memory` alive
 
