@@ -196,7 +196,7 @@ std::vector<torch::Tensor> rotary_split_bf16(torch::Tensor qkv, torch::Tensor co
 // keeps 2^-8): silu(g) = g / (1 + e^-|g|) for g >= 0, g e^-|g| / (1 + e^-|g|) below, the
 // division a reciprocal's estimate and a Newton step. Sleef's exp, a call per vector, was
 // most of its time once; the division and a degree-7 series after it (30 layers' distinct
-// 519 x 3,072 inputs, 2 threads: 10.9-11.2 -> 9.9-10.1 ms, the rest memory's).
+// 519 x 3,072 inputs, 2 threads: 11.7-12.0 -> 10.6-11.4 ms, most of it memory's).
 namespace {
 inline simd::vf silu(simd::vf g, bool fast_exp) {
 #if defined(__AVX512F__)
