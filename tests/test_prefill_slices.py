@@ -103,6 +103,57 @@ def test_a_prompt_aborted_in_slices_waits_for_its_last_slice(tiny_checkpoint):
         core.close()
 
 
+def test_no_block_is_registered_for_prefix_hits_before_it_is_written(tiny_checkpoint):
+    """The decodes a step leaves out when its prompts go in slices had their slots given
+    at scheduling, and where a decode's token fills its block, that block was registered
+    for prefix hits then: such a step runs its decodes at once. So whenever decodes are
+    left out, no running request outside the slices has a block registered past what it
+    has computed (an abort or a preemption would free such a block, its KV unwritten)."""
+    config = EngineConfig(
+        model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24, target_itl_ms=1e-3,
+        max_num_batched_tokens=48,
+    )  # fmt: skip
+    core = EngineCore.from_config(config)
+    block_size = core.kv_cache.block_size
+    left_out = []  # per sliced step: whether its decodes were left out
+
+    def unwritten() -> list[str]:
+        busy = core._busy()
+        return [
+            r.request_id
+            for r in core.scheduler.running
+            if r.request_id not in busy
+            and core.kv_cache.num_hashed_blocks.get(r.request_id, 0)
+            > r.num_computed_tokens // block_size
+        ]
+
+    slice_prompts = core._slice_prompts
+
+    def checked(*args):
+        now = slice_prompts(*args)
+        if now is not None:
+            left_out.append(now.empty)
+            assert not now.empty or unwritten() == []
+        return now
+
+    core._slice_prompts = checked
+    try:
+        dear_prefill(core)
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS[1:3]):  # short ones: they decode
+            core.add_request(EngineCoreRequest(f"d{i}", prompt, params, 40, [1]))
+        core.step()
+        for i in range(3):  # long prompts beside them, one after another
+            core.add_request(EngineCoreRequest(f"p{i}", PROMPTS[0][i:], params, 4, [1]))
+        while core.has_unfinished():
+            core.step()
+            assert unwritten() == []
+        assert any(left_out) and not all(left_out)  # both cases came up
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    finally:
+        core.close()
+
+
 def test_slices_measured_well_within_the_target_run_back_to_back(tiny_checkpoint):
     """The first slice is predicted (from the dear cost model) past the target, so the
     decodes get their step first; the slices after it are predicted from what it took (a

@@ -372,8 +372,11 @@ class EngineCore:
         sched_out = self.scheduler.schedule(drafts)
         if sched_out.empty:
             return []
-        if self._slice_prompts(sched_out, start):
-            return self._sliced_step()
+        now = self._slice_prompts(sched_out, start)
+        if now is not None:  # its prompts went in slices
+            if now.empty:
+                return self._sliced_step()
+            sched_out = now  # decodes that must run now
         shape = sched_out.shape()
         predicted_ms = self.step_cost.predict_ms(shape)
         step = self.runner.execute(sched_out)
@@ -383,17 +386,21 @@ class EngineCore:
         """Since the running decodes last got tokens (the end of the last step with decodes)."""
         return (time.perf_counter() - self._decoded_at) * 1e3
 
-    def _slice_prompts(self, sched_out: SchedulerOutput, start: float) -> bool:
-        """`target_itl_ms`: whether this step's prompt chunks go in flight to run a slice
-        of layers at a time (`_sliced_step`), as the step with the decodes beside them is
-        predicted to give the decodes their next token later than the target. Its decodes
-        are then left out (scheduled again when due: a step schedules only what it runs)."""
+    def _slice_prompts(self, sched_out: SchedulerOutput, start: float) -> SchedulerOutput | None:
+        """`target_itl_ms`: puts this step's prompt chunks in flight, to run a slice of
+        layers at a time (`_sliced_step`), where the step with the decodes beside them is
+        predicted to give the decodes their next token later than the target; None where
+        not. Its decodes are then left out, to be scheduled again when due (what the
+        scheduler gave them stays theirs), unless one's token fills its block: scheduling
+        registered that block for prefix hits, so they run now (returned), lest an abort
+        or a preemption free it unwritten."""
         chunks = [s for s in sched_out.scheduled if s.num_new_tokens > 1]
-        if self.target_itl_ms <= 0 or not chunks or len(chunks) == len(sched_out.scheduled):
-            return False
+        decodes = [s for s in sched_out.scheduled if s.num_new_tokens == 1]
+        if self.target_itl_ms <= 0 or not chunks or not decodes:
+            return None
         whole_ms = self.step_cost.predict_ms(sched_out.shape())
         if self._decode_age_ms() + whole_ms <= self.target_itl_ms:
-            return False
+            return None
         prompts = SchedulerOutput(chunks, prefill_cap=sched_out.prefill_cap)
         shape = prompts.shape()
         predicted_ms = self.step_cost.predict_ms(shape)
@@ -405,7 +412,12 @@ class EngineCore:
         pending.slice_ms = per_slice * per_layer_ms
         self._in_flight.append(InFlight(prompts, pending, shape, predicted_ms, start))
         self.step_stats.num_sliced += 1
-        return True
+        block_size = self.kv_cache.block_size
+        if self.kv_cache.enable_prefix_caching and any(
+            (s.start + 1) % block_size == 0 for s in decodes
+        ):
+            return SchedulerOutput(decodes, sched_out.preempted)
+        return SchedulerOutput()
 
     def _sliced_step(self) -> list[EngineCoreOutput]:
         """With a prompt step in slices: its slices, until the running decodes (all but the
