@@ -60,7 +60,7 @@ class EngineConfig:
     # while sequences decode, a prompt chunk that would keep their next token past this
     # many ms after their last runs its layers in slices, and the decodes take steps of
     # their own between slices whenever the next slice would pass it (EngineCore;
-    # 0: off; one process, no speculative decoding)
+    # 0: off; one process on CPU, no speculative decoding)
     target_itl_ms: float = 0.0
     min_prefill_tokens: int = 16
     # which prompt a step's prefill budget goes to first: "shortest" (highest response

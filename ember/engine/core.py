@@ -92,9 +92,11 @@ class EngineCore:
             config, self.runner, self.kv_cache, self.max_model_len, self.step_cost
         )
         # a prompt step's layers in slices, decode steps between them (_sliced_step): one
-        # process, one step at a time, no drafts (EAGLE-3 reads the prompt's hidden
-        # states, which a decode step between would replace)
+        # process on CPU (a GPU's slices would be timed as they are queued, not run), one
+        # step at a time, no drafts (EAGLE-3 reads the prompt's hidden states, which a
+        # decode step between would replace)
         one = alone and config.world_size == 1 and self.speculator is None
+        one = one and self.runner.device.type == "cpu"
         self.target_itl_ms = config.target_itl_ms if one else 0.0
         self._decoded_at = time.perf_counter()  # the end of the last step with decodes
         self.calibrator = Calibrator(
