@@ -59,7 +59,7 @@ inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf exp(vf v) { return Sleef_expf16_u10(v); }
 inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
-// 2^t for t up to 2^127 (0 for -inf and far below): 2^(t - floor t) on a degree-4
+// 2^t for t below 128 (0 for -inf and far below): 2^(t - floor t) on a degree-4
 // polynomial fitted for relative error over [0, 1) (within 2.7e-6, as a degree-5 Taylor
 // series), then scaled by 2^floor(t), which scalef takes from t itself. Six operations
 // (the series with its rounding, clamp and ln 2 took ten): the AMX prefill attention's
