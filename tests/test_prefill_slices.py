@@ -171,6 +171,47 @@ def test_slices_measured_well_within_the_target_run_back_to_back(tiny_checkpoint
     assert core.step_stats.num_sliced >= 2 and runs.count("dss") == core.step_stats.num_sliced
 
 
+def test_request_fields_give_what_they_give_without_slices(tiny_checkpoint):
+    """n > 1, seeded draws, penalties, logprobs and prompt logprobs, under slices with a
+    decode step after each: the same tokens as without them, logprobs within 1e-4 (a
+    decode row multiplied in a step of its own rather than beside a chunk goes through
+    another matmul of the same fp32 products, summed in another order)."""
+    path = str(tiny_checkpoint("llama"))
+    params = [
+        SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2, max_tokens=20),
+        SamplingParams(temperature=1.0, top_k=5, seed=3, presence_penalty=0.5,
+                       repetition_penalty=1.2, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=6, max_tokens=30, ignore_eos=True),
+    ]  # fmt: skip
+    runs = []
+    for target in (0.0, 1e-3):
+        llm = LLM(path, target_itl_ms=target, max_num_batched_tokens=48, **SMALL_KV)
+        dear_prefill(llm.engine.core)
+        outputs = llm.generate(PROMPTS, params)
+        sliced = llm.engine.core.step_stats.num_sliced
+        runs.append((outputs, sliced))
+    (plain, none), (sliced_outputs, sliced) = runs
+    assert none == 0 and sliced >= 2
+
+    def same(a, b) -> bool:  # {token: logprob}, or None
+        if a is None or b is None:
+            return a is b
+        return a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+    def close(x, y) -> bool:  # a position's entries each, or None
+        if x is None or y is None:
+            return x is y
+        return len(x) == len(y) and all(same(a, b) for a, b in zip(x, y, strict=True))
+
+    assert plain[1].prompt_logprobs is not None  # (the request that asks for them)
+    for a, b in zip(plain, sliced_outputs, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        pairs = zip(a.outputs, b.outputs, strict=True)
+        assert all(close(x.logprobs, y.logprobs) for x, y in pairs)
+        assert close(a.prompt_logprobs, b.prompt_logprobs)
+
+
 def test_a_step_within_the_target_runs_whole(tiny_checkpoint):
     """Where the step with its decodes is predicted within the target, nothing is sliced
     (the tiny model's own costs: milliseconds)."""
