@@ -291,8 +291,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=envs.MATMUL_PRECISIONS,
         help="CPU steps of 16+ tokens: ieee (exact fp32), bf16 (weights packed once in bf16, "
         "bf16 activations, on AMX / AVX-512 BF16: 1.6-4x faster prefill; refused on CPUs "
-        "without them; smaller decode batches stay fp32) or auto (the default, or "
-        "$EMBER_MATMUL_PRECISION: bf16 where the CPU has them, else ieee)",
+        "without them; smaller decode batches stay fp32), int8 (a GGUF file's blocks that "
+        "tile multiply every row on int8 activations, as decode does) or auto (the default, "
+        "or $EMBER_MATMUL_PRECISION: bf16 on AMX or AMD's AVX-512 BF16, else int8 on "
+        "AVX512-VNNI, else ieee prefill)",
     )
     parser.add_argument(
         "--decode-activations",

@@ -71,9 +71,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | sdpa | cpu-paged
     # CPU steps of 16+ tokens (prefill, large decode batches): "ieee" (exact fp32), "bf16"
     # (matmuls on a bf16 copy of the weights packed once, bf16 activations between them,
-    # on AMX / AVX-512 BF16; refused on CPUs without them) or "auto" (bf16 where the CPU
-    # has them, else ieee). The default is auto, or $EMBER_MATMUL_PRECISION where set:
-    # an environment variable reaches the engines of child processes too
+    # on AMX / AVX-512 BF16; refused on CPUs without them), "int8" (a GGUF file's blocks
+    # that tile multiply every row on int8 activations, as decode steps do; other matmuls
+    # exact fp32) or "auto" (bf16 where it outruns fp32: AMX, AVX-512 BF16 on AMD; else
+    # int8 where the tiles run on AVX512-VNNI; else ieee for prefill, int8 decode). The
+    # default is auto, or $EMBER_MATMUL_PRECISION where set: an environment variable
+    # reaches the engines of child processes too
     matmul_precision: str = field(default_factory=envs.matmul_precision)
     # CPU decode steps of a GGUF model read its matrices in the block formats ember decodes
     # (gguf_loader.BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as the file's blocks,
@@ -242,7 +245,7 @@ class EngineConfig:
             )
         if self.matmul_precision not in envs.MATMUL_PRECISIONS:
             raise ValueError(
-                f"matmul_precision must be auto, ieee or bf16; got {self.matmul_precision!r}"
+                f"matmul_precision must be auto, ieee, bf16 or int8; got {self.matmul_precision!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

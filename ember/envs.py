@@ -35,7 +35,7 @@ def cluster_secret() -> bytes | None:
     return value.encode() if value else None
 
 
-MATMUL_PRECISIONS = ("auto", "ieee", "bf16")
+MATMUL_PRECISIONS = ("auto", "ieee", "bf16", "int8")
 
 
 def matmul_precision() -> str:
@@ -43,7 +43,7 @@ def matmul_precision() -> str:
     MATMUL_PRECISIONS); set in the environment, it reaches the engines of child processes."""
     value = os.environ.get("EMBER_MATMUL_PRECISION", "").strip().lower() or "auto"
     if value not in MATMUL_PRECISIONS:
-        raise ValueError(f"EMBER_MATMUL_PRECISION must be auto, ieee or bf16; got {value!r}")
+        raise ValueError(f"EMBER_MATMUL_PRECISION must be auto, ieee, bf16 or int8; got {value!r}")
     return value
 
 

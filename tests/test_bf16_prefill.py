@@ -357,12 +357,14 @@ def test_without_bf16_units_bf16_is_refused_and_auto_stays_exact(
     tiny_checkpoint, monkeypatch, caplog
 ):
     monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: False)
+    monkeypatch.setattr("ember.engine.model_runner.cpu_bf16_outruns_fp32", lambda: False)
+    monkeypatch.setattr("ember.engine.model_runner.cpu_int8_outruns_fp32", lambda k: False)
     path = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match="matmul_precision 'bf16' needs a CPU with AMX"):
         LLM(str(path), matmul_precision="bf16", **SMALL_KV)
     with caplog.at_level(logging.INFO, logger="ember.engine"):
         llm = LLM(str(path), matmul_precision="auto", **SMALL_KV)
-    assert "no AMX or AVX-512 BF16 here, prefill stays exact fp32" in caplog.text
+    assert "no bf16 or int8 units that outrun fp32 here, prefill stays exact fp32" in caplog.text
     assert all(not m.bf16_prefill and m.packed.dtype == torch.float32 for m in _linears(llm))
     model, _ = hf_reference(path, "llama")
     with torch.inference_mode():
@@ -382,9 +384,10 @@ def test_cpu_probe_agrees_with_cpuinfo():
 def test_the_default_is_auto_unless_the_environment_names_one(
     tiny_checkpoint, monkeypatch, has_bf16
 ):
-    """No precision given: bf16 where the CPU has bf16 units, exact fp32 elsewhere;
+    """No precision given: bf16 where its units outrun fp32, exact fp32 elsewhere here;
     $EMBER_MATMUL_PRECISION (which child processes inherit) overrides it."""
     monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr("ember.engine.model_runner.cpu_bf16_outruns_fp32", lambda: has_bf16)
     monkeypatch.delenv("EMBER_MATMUL_PRECISION")
     assert EngineConfig().matmul_precision == "auto"
     assert build_parser().parse_args(["serve"]).matmul_precision == "auto"
@@ -394,5 +397,5 @@ def test_the_default_is_auto_unless_the_environment_names_one(
     assert EngineConfig().matmul_precision == "ieee"
     assert build_parser().parse_args(["serve"]).matmul_precision == "ieee"
     monkeypatch.setenv("EMBER_MATMUL_PRECISION", "bf17")
-    with pytest.raises(ValueError, match="EMBER_MATMUL_PRECISION must be auto, ieee or bf16"):
+    with pytest.raises(ValueError, match="EMBER_MATMUL_PRECISION must be auto, ieee, bf16 or int8"):
         EngineConfig()

@@ -486,14 +486,15 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("precision", ["bf16", "ieee"])
+@pytest.mark.parametrize("precision", ["bf16", "ieee", "int8"])
 @pytest.mark.parametrize("case", ["llama-k-quants", "llama-Q8_0-tied", "llama-mixed"])
 def test_max_rank_memory_counts_what_the_weights_will_hold(
     tmp_path: Path, monkeypatch, case, precision
 ):
     """max_rank_memory's estimate, made from shapes before any weight is read, is to the
     byte what the loaded model holds: GGUF blocks (a fused matmul's parts too), packed
-    copies, and no fp32 W for the matmuls that read only blocks. One byte less is refused
+    copies (none for tiles that take every row, under int8), and no fp32 W for the
+    matmuls that read only blocks. One byte less is refused
     before a tensor is read."""
     from ember import LLM
     from ember.engine.kernels import cpu_kernels

@@ -157,7 +157,8 @@ class EngineCore:
         ]
         return (
             f"v1|{self.checkpoint.identity()}|{layout}|block {self.config.block_size}|"
-            f"{runner.dtype}|{runner.weight_dtype}|bf16 prefill {runner.bf16_prefill}|"
+            f"{runner.dtype}|{runner.weight_dtype}|prefill {runner.prefill_precision}|"
+            f"int8 decode {runner.int8_decode}|"
             f"{runner.device.type}"
         )
 

@@ -41,7 +41,9 @@ from ember.models.layers import (
     BF16_MIN_ROWS,
     block_decode_summary,
     can_pack_for_cpu,
+    cpu_bf16_outruns_fp32,
     cpu_has_bf16,
+    cpu_int8_outruns_fp32,
     planned_weight_bytes,
     use_int8_activations,
 )
@@ -144,7 +146,9 @@ class ModelRunner:
     def _load_model(self, model_cls, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
         packs = can_pack_for_cpu(self.device, self.dtype)
         # refused before any weight is read
-        self.bf16_prefill = bf16_prefill = packs and self._bf16_prefill()
+        self.prefill_precision = self._prefill_precision() if packs else "model dtype"
+        self.int8_decode = False  # decode steps on GGUF blocks in int8 (_load_weights)
+        self.bf16_prefill = bf16_prefill = self.prefill_precision == "bf16"
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
 
         def build(device: torch.device | str) -> torch.nn.Module:
@@ -179,8 +183,8 @@ class ModelRunner:
             model.load_weights(checkpoint.weights(narrow))
         startup.mark("weights")
         if packs:
-            if blocks and self._int8_activations():
-                use_int8_activations(model)
+            if blocks:
+                self.int8_decode = self._mark_int8(model)
             model.pack_for_cpu(bf16_prefill, self.weight_dtype)
             if summary := block_decode_summary(model):
                 logger.info(summary)
@@ -225,6 +229,7 @@ class ModelRunner:
         if blocks:
             narrow = twin.shard_of if self.group.size > 1 else None
             self._load_blocks(twin, checkpoint, narrow, bf16_prefill, shapes_only=True)
+            self._mark_int8(twin)  # tiles that take every row have no packed copy
         packed = (2 if bf16_prefill else self.weight_dtype.itemsize) if packs else 0
         weights = planned_weight_bytes(twin, cpu_kernels() if blocks else None, packed)
         need = weights + (self.config.kv_cache_memory or 0)
@@ -237,26 +242,46 @@ class ModelRunner:
                 f"more processes, e.g. tensor_parallel_size={ranks}"
             )
 
-    def _bf16_prefill(self) -> bool:
-        """Whether steps of BF16_MIN_ROWS+ tokens run in bf16 (matmul_precision bf16, or
-        auto on a CPU with AMX or AVX-512 BF16, where prefill runs 3-4x faster than in
-        exact fp32)."""
+    def _prefill_precision(self) -> str:
+        """What CPU steps of BF16_MIN_ROWS+ tokens (prefill chunks, large decode batches)
+        multiply in: "fp32" (matmul_precision ieee), "bf16" (refused on a CPU without bf16
+        units) or "int8" (GGUF blocks that tile take every row count on their int8 tiles;
+        other matmuls stay fp32); auto picks what was measured fastest on such a CPU."""
         precision = self.config.matmul_precision
         if precision == "ieee":
-            return False
-        if cpu_has_bf16():
-            logger.info(
-                "matmul_precision %s: steps of 16+ tokens run in bf16 (AMX / AVX-512 BF16)",
-                precision,
-            )
-            return True
-        if precision == "bf16":
+            return "fp32"
+        if precision == "bf16" and not cpu_has_bf16():
             raise ValueError(
                 "matmul_precision 'bf16' needs a CPU with AMX or AVX-512 BF16, and this one "
                 "has neither (oneDNN would emulate bf16, slower than fp32); use 'ieee' or 'auto'"
             )
-        logger.info("matmul_precision auto: no AMX or AVX-512 BF16 here, prefill stays exact fp32")
-        return False
+        if precision == "int8" and self.config.decode_activations == "fp32":
+            raise ValueError(
+                "matmul_precision 'int8' multiplies every row on int8 activations, which "
+                "decode_activations 'fp32' refuses; set one of them otherwise"
+            )
+        if precision != "auto":
+            logger.info("matmul_precision %s: steps of 16+ tokens run in %s", precision, precision)
+            return precision
+        choice, why = self._auto_prefill_precision()
+        logger.info("matmul_precision auto: %s", why)
+        return choice
+
+    def _auto_prefill_precision(self) -> tuple[str, str]:
+        """matmul_precision auto, by what was measured on each kind of CPU
+        (docs/benchmarks.md): bf16 where its units outrun fp32 (AMX: 3.8-4.1x less prefill
+        time; AVX-512 BF16 on an AMD EPYC: 1.6x); else int8 where the tiles' sums run on
+        AVX512-VNNI (an Intel Xeon whose AMX is not offered: oneDNN's bf16 matmuls 1.7x
+        slower than its fp32 ones, the tiles 1.6-2.3x faster); else exact fp32. Decode
+        activations asked in fp32 keep prefill exact too."""
+        if cpu_bf16_outruns_fp32():
+            return "bf16", "steps of 16+ tokens run in bf16 (AMX, or AVX-512 BF16 on AMD)"
+        if cpu_int8_outruns_fp32(cpu_kernels()) and self.config.decode_activations != "fp32":
+            return "int8", (
+                "steps of 16+ tokens multiply GGUF blocks that tile on int8 activations "
+                "(AVX512-VNNI; bf16 would be slower than fp32 here), other matmuls in fp32"
+            )
+        return "fp32", "no bf16 or int8 units that outrun fp32 here, prefill stays exact fp32"
 
     def _kv_dtype(self) -> torch.dtype:
         """The KV cache's element type (EngineConfig.kv_cache_dtype): auto is bfloat16 for
@@ -272,9 +297,12 @@ class ModelRunner:
 
     def _int8_activations(self) -> bool:
         """Whether decode steps on GGUF blocks round their activations to int8
-        (decode_activations int8, or auto where matmul_precision is not ieee and the
-        kernels are an x86 build, whose integer products are faster than fp32's)."""
+        (decode_activations int8, or prefill too in int8, or auto where matmul_precision is
+        not ieee and the kernels are an x86 build, whose integer products are faster than
+        fp32's)."""
         choice = self.config.decode_activations
+        if self.prefill_precision == "int8":
+            return True  # (fp32 refused with it: _prefill_precision)
         if choice != "auto":
             return choice == "int8"
         kernels = cpu_kernels()
@@ -283,6 +311,14 @@ class ModelRunner:
             and kernels is not None
             and kernels.isa in ("avx512", "avx2")
         )
+
+    def _mark_int8(self, model: torch.nn.Module) -> bool:
+        """Before packing (or planning) a model with GGUF blocks: its matmuls' int8 rows
+        (every row under prefill_precision int8); whether there are any."""
+        int8 = self._int8_activations()
+        if int8:
+            use_int8_activations(model, every_row=self.prefill_precision == "int8")
+        return int8
 
     def expert_tokens(self) -> list[tuple[int, list[int]]]:
         """(layer, tokens routed to each expert since start) for every MoE layer (summed

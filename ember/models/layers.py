@@ -90,6 +90,9 @@ class Linear(nn.Module):
     - PACKED_MIN_ROWS and up (prefill): oneDNN on a packed copy of W, which costs W's
       size again; MKL's GEMM re-packs W on every call;
     - otherwise, and off CPU: F.linear. The C++ decode layer makes the same choice.
+    With int8 activations on every row (`use_int8_activations(model, every_row=True)`,
+    matmul_precision int8), a W whose blocks tile takes every row count on its tiles:
+    prefill chunks multiply as decode steps do, and no packed copy is made.
     With `bf16_prefill` (CPUs with AMX or AVX-512 BF16), the packed copy is W in bf16
     instead, made once, and every matmul of BF16_MIN_ROWS rows and more (prefill, large
     decode batches) multiplies bf16 x by it and returns bf16 y, which the model carries
@@ -118,6 +121,7 @@ class Linear(nn.Module):
         self.blocks: torch.Tensor | None = None
         self.block_parts: list[torch.Tensor] = []
         self.block_gemm = None  # ember's kernel over `blocks`, when it applies
+        self.block_max_rows = BLOCK_GEMM_MAX_ROWS  # the most rows it takes (tiles: all)
         # up to this many rows multiply `blocks` with int8 activations (`int8_gemm`); set
         # before pack_for_cpu, which keeps it only where the blocks are kept, and tiles
         # 32-weight blocks for it (tile_blocks: [out / 16, blocks, 16, bytes])
@@ -134,7 +138,7 @@ class Linear(nn.Module):
         rows = x.shape[0]
         if self.bf16_prefill and rows >= BF16_MIN_ROWS:
             return self._packed_linear(x.to(torch.bfloat16))  # bf16 out, for the next op
-        if self.block_gemm is not None and rows <= BLOCK_GEMM_MAX_ROWS:
+        if self.block_gemm is not None and rows <= self.block_max_rows:
             gemm = self.int8_gemm if rows <= self.int8_max_rows else self.block_gemm
             if self.blocks is not None:
                 return gemm(x, self.blocks, self.bias)
@@ -215,16 +219,9 @@ class Linear(nn.Module):
         only_blocks = self.reads_only_blocks(kernels, bf16_prefill)
         if self.from_blocks and not only_blocks:  # W was never read: it must not be used
             raise RuntimeError("a weight left unread for its blocks is needed after all")
-        # W was not read from the checkpoint where its blocks alone serve (from_blocks):
-        # the packed copy is made from them, exactly the fp32 W
-        if self.from_blocks:  # decoded straight to the packed dtype (bf16: rounded as torch rounds)
-            source = self._decoded_blocks(kernels, packed_dtype == torch.bfloat16)
-        else:
-            source = self.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            source.to(packed_dtype), 16
-        )  # in bf16 mode the only packed copy: no fp32 one is kept
-        del source
+        every_row = self.tiles_take_every_row(kernels)
+        if not every_row:
+            self.packed = self._packed_copy(kernels, packed_dtype)
         out_features, in_features = self.weight.shape
         split = bf16_prefill and kernels is not None and split_apply(out_features, in_features)
         self.split_rows = kernels.linear_split_rows if split else None
@@ -242,13 +239,37 @@ class Linear(nn.Module):
                     self.blocks = parts[0]
                 else:
                     self.block_parts = parts
-            self.int8_max_rows = min(self.int8_max_rows, int8_rows(self.block_list))
+            self.int8_max_rows = min(self.int8_max_rows, int8_rows(self.block_list, every_row))
             self.int8_gemm = kernels.block_gemm_int8 if self.int8_max_rows else None
+            if every_row:
+                self.block_max_rows = self.int8_max_rows
         else:
             self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
         if only_blocks:  # its shape stays, on the meta device, so that a read of it fails loudly
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), False)
+
+    def _packed_copy(self, kernels, dtype: torch.dtype) -> torch.Tensor:
+        """W in oneDNN's layout, in `dtype` (in bf16 mode the only packed copy: no fp32 one
+        is kept). Where W was not read from the checkpoint, its blocks alone serving
+        (from_blocks), it is made from them, exactly the fp32 W (bf16: decoded straight to
+        it, rounded as torch rounds)."""
+        if self.from_blocks:
+            source = self._decoded_blocks(kernels, dtype == torch.bfloat16)
+        else:
+            source = self.weight.detach()
+        return torch.ops.mkldnn._reorder_linear_weight(source.to(dtype), 16)
+
+    def tiles_take_every_row(self, kernels) -> bool:
+        """Whether W's blocks will be int8 tiles that every row count multiplies (int8
+        activations on every row asked, `int8_max_rows` past BLOCK_GEMM_MAX_ROWS, and
+        blocks that tile): then no packed copy is made. Known from the blocks' shapes,
+        before packing."""
+        return (
+            self.int8_max_rows > BLOCK_GEMM_MAX_ROWS
+            and self._blocks_apply(kernels)
+            and tiles_apply(self.block_list)
+        )
 
     def _blocks_apply(self, kernels) -> bool:
         """Whether the block GEMM takes every part of W's blocks (fp32 W, shapes it takes)."""
@@ -265,9 +286,10 @@ class Linear(nn.Module):
     def reads_only_blocks(self, kernels, bf16_prefill: bool) -> bool:
         """Whether, once packed, no matmul reads the fp32 W: its blocks take up to
         BLOCK_GEMM_MAX_ROWS rows and the packed copy the rest (from BF16_MIN_ROWS, or
-        PACKED_MIN_ROWS in fp32), and no other code reads W (`weight_shared`). Such a W
-        goes after packing (4 bytes a weight), and need not be read from the checkpoint
-        at all (`from_blocks`). Call once the blocks are loaded."""
+        PACKED_MIN_ROWS in fp32), or its tiles take every row (tiles_take_every_row), and
+        no other code reads W (`weight_shared`). Such a W goes after packing (4 bytes a
+        weight), and need not be read from the checkpoint at all (`from_blocks`). Call
+        once the blocks are loaded."""
         packed_from = BF16_MIN_ROWS if bf16_prefill else PACKED_MIN_ROWS
         return (
             not self.weight_shared
@@ -282,12 +304,18 @@ class Linear(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def use_int8_activations(model: nn.Module) -> None:
+EVERY_ROW = 1 << 30  # a row limit no step reaches
+
+
+def use_int8_activations(model: nn.Module, every_row: bool = False) -> None:
     """Every matmul of `model` multiplies its GGUF blocks on int8 activations in steps of up
-    to int8_rows(its blocks) rows (decode_activations int8); call before pack_for_cpu."""
+    to int8_rows(its blocks) rows (decode_activations int8); with `every_row`
+    (matmul_precision int8) a matmul whose blocks tile does so at every row count, prefill
+    chunks included, and keeps no packed copy. Call before the blocks load (which W need
+    not be read depends on it)."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.int8_max_rows = BLOCK_GEMM_MAX_ROWS
+            module.int8_max_rows = EVERY_ROW if every_row else BLOCK_GEMM_MAX_ROWS
 
 
 # Blocks tile_blocks regroups, by bytes per block: (fp16 fields (d, m), bytes of fifth bits)
@@ -338,13 +366,14 @@ def tiled(linear: Linear) -> bool:
     return linear.int8_gemm is not None and bool(parts) and all(p.dim() == 4 for p in parts)
 
 
-def int8_rows(parts: list[torch.Tensor]) -> int:
+def int8_rows(parts: list[torch.Tensor], every_row: bool = False) -> int:
     """The most rows that multiply blocks in these formats faster on int8 activations
-    (the fewest of the parts'; tiles take every row count, BLOCK_GEMM_MAX_ROWS; 1 for
-    formats not in INT8_ROWS)."""
+    (the fewest of the parts'; tiles take every row count: BLOCK_GEMM_MAX_ROWS, or
+    EVERY_ROW with `every_row`; 1 for formats not in INT8_ROWS)."""
     if not parts:
         return 1
-    return min(BLOCK_GEMM_MAX_ROWS if p.dim() == 4 else INT8_ROWS.get(p.shape[2], 1) for p in parts)
+    on_tiles = EVERY_ROW if every_row else BLOCK_GEMM_MAX_ROWS
+    return min(on_tiles if p.dim() == 4 else INT8_ROWS.get(p.shape[2], 1) for p in parts)
 
 
 def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int:
@@ -362,7 +391,8 @@ def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int
                 seen.add(id(param))
                 total += param.numel() * param.element_size()
         if isinstance(module, Linear):
-            total += module.weight.numel() * packed_itemsize
+            if not module.tiles_take_every_row(kernels):
+                total += module.weight.numel() * packed_itemsize
             if module._blocks_apply(kernels):
                 block_sizes += [part.numel() for part in module.block_list]
         elif hasattr(module, "loaded_block_bytes"):  # MoE experts (Experts)
@@ -456,6 +486,21 @@ def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles for bf16 (Intel Sapphire Rapids and later)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return probe() if probe is not None else "amx_bf16" in _cpu_flags()
+
+
+def cpu_bf16_outruns_fp32() -> bool:
+    """Whether this CPU's bf16 matmuls are faster than its fp32 ones: AMX tiles, or
+    AVX-512 BF16 on AMD (Zen 4 and later), measured 3.8-4.1x and 1.6x faster at prefill.
+    An Intel CPU with AVX-512 BF16 and no AMX (Cooper Lake; a Xeon whose hypervisor hides
+    AMX) runs oneDNN's bf16 matmuls 1.7x slower than its fp32 ones (docs/benchmarks.md)."""
+    return cpu_has_amx() or (cpu_has_bf16() and "AuthenticAMD" in _cpu_flags())
+
+
+def cpu_int8_outruns_fp32(kernels) -> bool:
+    """Whether the int8 tiles' GEMM outruns oneDNN's fp32 one at prefill sizes: where its
+    sums run on AVX512-VNNI (1.6-2.3x at 128-512 rows on an Intel Xeon; on AVX2's maddubs
+    it was 0.8-1.1x, docs/benchmarks.md)."""
+    return kernels is not None and kernels.tiles_use_vnni()
 
 
 def cpu_has_bf16() -> bool:

@@ -337,8 +337,12 @@ class FusedDecode:
         linears = FusedDecode._linears(layer)
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         weights = norms + [lin.weight for lin in linears]
-        # a bf16 packed copy under fp32 weights is for prefill only (bf16_prefill)
-        packed = [lin.packed if lin.packed.dtype == lin.weight.dtype else None for lin in linears]
+        # a bf16 packed copy under fp32 weights is for prefill only (bf16_prefill); tiles
+        # that take every row have none (matmul_precision int8)
+        packed = [
+            lin.packed if lin.packed is not None and lin.packed.dtype == lin.weight.dtype else None
+            for lin in linears
+        ]
         # without a packed fp32 copy, the blocks take any number of rows (drafts' rows of
         # up to 15 sequences): one pass over them per 8 rows streams less than MKL does
         # over the fp32 weight (measured, Qwen2.5-1.5B Q4_K, 4 sequences of 5 rows: ~1.7x)

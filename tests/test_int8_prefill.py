@@ -1,0 +1,171 @@
+"""matmul_precision "int8": a GGUF file's blocks that tile (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+multiply every row count on int8 activations, prefill chunks as decode steps do, with no
+packed copy; and auto's choice of precision per CPU. (The default model's accuracy in it
+is checked against transformers in test_smollm2.py.)"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf_loader import BLOCK_CASES, VOCAB, write_tiny_model
+from test_models import prefill_logits
+
+from ember import LLM, SamplingParams
+from ember.config import EngineConfig
+from ember.engine.kernels import cpu_kernels
+from ember.models.layers import BLOCK_GEMM_MAX_ROWS, EVERY_ROW, Linear, tiled
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ toolchain to build kernels")
+
+SMALL = dict(kv_cache_memory=1 << 24)
+# prompts past BLOCK_GEMM_MAX_ROWS tokens, so that their prefill leaves the decode path
+PROMPTS = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(40 + 9 * j)] for j in range(3)]
+
+
+def _linears(llm: LLM) -> list[Linear]:
+    model = llm.engine.core.runner.model
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("int8")
+    paths = {}
+    for case in ("llama-Q4_1", "llama-k-quants"):
+        paths[case] = directory / f"{case}.gguf"
+        write_tiny_model(paths[case], **BLOCK_CASES[case])
+    return paths
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_1", "llama-k-quants"])
+def test_tiles_take_every_row_and_no_packed_copy(files, case):
+    """Under int8 a matmul whose blocks tile multiplies every row count on them (its W
+    neither read nor kept, no packed copy); one whose blocks do not (K-quants, this head
+    of 300 rows) keeps the fp32 packed copy above BLOCK_GEMM_MAX_ROWS rows."""
+    llm = LLM(str(files[case]), matmul_precision="int8", **SMALL)
+    assert llm.engine.core.runner.prefill_precision == "int8"
+    linears = _linears(llm)
+    on_tiles = [m for m in linears if tiled(m)]
+    others = [m for m in linears if not tiled(m)]
+    assert on_tiles and others  # the head is not whole tiles in either file
+    for m in on_tiles:
+        assert m.packed is None and m.weight.is_meta
+        assert m.block_max_rows == m.int8_max_rows == EVERY_ROW
+    for m in others:
+        assert m.packed is not None and m.packed.dtype == torch.float32
+        assert m.block_max_rows == BLOCK_GEMM_MAX_ROWS
+    assert (len(on_tiles) == 8) == (case == "llama-Q4_1")  # 2 layers x 4; k-quants: not down
+    for layer in llm.engine.core.runner.model.model.fused_decode.layers:
+        assert layer.packed[0] is None  # the fused decode layer takes every row on tiles too
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8] * len(PROMPTS)
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks
+
+
+def test_a_prefill_row_is_what_the_same_row_gives_alone(files):
+    """On tiles no float work is shared between rows: a matmul of 40 rows (a prefill
+    chunk) gives each row to the bit what that row alone gives (a decode step), and
+    differs from the fp32 product by the rounding of x to int8 only."""
+    llm = LLM(str(files["llama-Q4_1"]), matmul_precision="int8", **SMALL)
+    exact = LLM(
+        str(files["llama-Q4_1"]), matmul_precision="ieee", decode_activations="fp32", **SMALL
+    )
+    ours = llm.engine.core.runner.model.model.layers[1].mlp.gate_up_proj
+    theirs = exact.engine.core.runner.model.model.layers[1].mlp.gate_up_proj
+    x = torch.randn(40, ours.weight.shape[1])
+    with torch.inference_mode():
+        together = ours(x)
+        alone = torch.cat([ours(x[i : i + 1]) for i in range(len(x))])
+        reference = theirs(x)
+    assert torch.equal(together, alone)
+    scale = reference.abs().max()
+    assert 1e-4 < (together - reference).abs().max() / scale < 0.02
+
+
+def test_int8_prefill_stays_near_exact_prefill(files):
+    """The prompt's logits in int8 are those of exact prefill up to int8 rounding: near,
+    never equal. These random models (unscaled normal weights) amplify it: measured, a
+    mean error of 1.1-1.5% of the largest logit, the same top-1 token at 90-97% of
+    positions, and the first greedy token that differs from exact prefill's (with decode
+    on int8 in both, the default outside AMX) the fourth. The default model's error is
+    bounded in test_smollm2.py."""
+    path = str(files["llama-Q4_1"])
+    int8 = LLM(path, matmul_precision="int8", **SMALL)
+    fp32 = LLM(path, matmul_precision="ieee", decode_activations="int8", **SMALL)
+    for prompt in PROMPTS:
+        ours, theirs = prefill_logits(int8, prompt), prefill_logits(fp32, prompt)
+        error = (ours - theirs).abs()
+        assert 1e-4 < error.mean() < 0.02 * theirs.abs().max()
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.85
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in int8.generate(PROMPTS, params)]
+    assert got == [o.outputs[0].token_ids for o in fp32.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize(
+    "bf16_fast, vnni, expected",
+    [(True, True, "bf16"), (False, True, "int8"), (False, False, "fp32")],
+)
+def test_auto_takes_the_precision_measured_fastest_on_the_cpu(
+    files, monkeypatch, caplog, bf16_fast, vnni, expected
+):
+    """auto: bf16 where its units outrun fp32 (AMX; AVX-512 BF16 on AMD), else int8 where
+    the tiles run on AVX512-VNNI, else exact fp32 prefill (decode still int8)."""
+    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.model_runner.cpu_bf16_outruns_fp32", lambda: bf16_fast)
+    monkeypatch.setattr("ember.engine.model_runner.cpu_int8_outruns_fp32", lambda k: vnni)
+    with caplog.at_level(logging.INFO, logger="ember.engine"):
+        llm = LLM(str(files["llama-Q4_1"]), matmul_precision="auto", **SMALL)
+    runner = llm.engine.core.runner
+    assert runner.prefill_precision == expected
+    assert runner.bf16_prefill == (expected == "bf16")
+    assert any(m.block_max_rows == EVERY_ROW for m in _linears(llm)) == (expected == "int8")
+    assert runner.int8_decode  # decode steps round to int8 in every auto choice
+    assert "matmul_precision auto: " in caplog.text
+    # decode activations asked exact keep prefill exact too
+    exact_decode = LLM(
+        str(files["llama-Q4_1"]), decode_activations="fp32", matmul_precision="auto", **SMALL
+    )
+    assert exact_decode.engine.core.runner.prefill_precision == ("bf16" if bf16_fast else "fp32")
+
+
+def test_int8_is_refused_beside_fp32_decode_and_keys_its_own_kv(files, monkeypatch):
+    """int8 rounds every row, which decode_activations fp32 forbids: refused, naming both;
+    KV computed in int8 is not KV computed in fp32 (the stored blocks' key tells them
+    apart); $EMBER_MATMUL_PRECISION names it too."""
+    path = str(files["llama-Q4_1"])
+    with pytest.raises(ValueError, match="matmul_precision 'int8'.*decode_activations 'fp32'"):
+        LLM(path, matmul_precision="int8", decode_activations="fp32", **SMALL)
+    identities = {
+        precision: LLM(path, matmul_precision=precision, **SMALL).engine.core._kv_identity()
+        for precision in ("int8", "ieee")
+    }
+    assert identities["int8"] != identities["ieee"] and "prefill int8" in identities["int8"]
+    monkeypatch.setenv("EMBER_MATMUL_PRECISION", "int8")
+    assert EngineConfig().matmul_precision == "int8"
+    monkeypatch.setenv("EMBER_MATMUL_PRECISION", "int4")
+    with pytest.raises(ValueError, match="EMBER_MATMUL_PRECISION must be auto, ieee, bf16 or int8"):
+        EngineConfig()
+    with pytest.raises(ValueError, match="matmul_precision must be auto, ieee, bf16 or int8"):
+        EngineConfig(matmul_precision="int4")
+
+
+def test_cpu_probes_agree_with_cpuinfo():
+    """bf16 outruns fp32 on AMX, and on AMD's AVX-512 BF16; the tiles outrun fp32 where
+    their sums use AVX512-VNNI (the AVX-512 build on such a CPU)."""
+    from ember.models.layers import cpu_bf16_outruns_fp32, cpu_int8_outruns_fp32
+
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    flags = set(text.split())
+    amd_bf16 = "AuthenticAMD" in flags and "avx512_bf16" in flags
+    assert cpu_bf16_outruns_fp32() == ("amx_bf16" in flags or amd_bf16)
+    kernels = cpu_kernels()
+    vnni = kernels.isa == "avx512" and "avx512_vnni" in flags
+    assert cpu_int8_outruns_fp32(kernels) == vnni
+    assert not cpu_int8_outruns_fp32(None)
