@@ -136,7 +136,7 @@ def _packed_copies(linear: Linear) -> list[torch.Tensor]:
 
 
 def test_weights_are_packed_once_in_bf16(tiny_checkpoint, monkeypatch):
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = tiny_checkpoint("llama")
     setting = torch.backends.mkldnn.matmul.fp32_precision
     exact, fast = (LLM(str(path), matmul_precision=p, **SMALL_KV) for p in ("ieee", "bf16"))
@@ -165,7 +165,7 @@ def test_a_bf16_steps_fused_conversions_change_no_bit(tiny_checkpoint, arch, mon
     the bf16 qkv is split and rotated by one kernel (q rounded back to bf16) rather than
     widened whole (not under Qwen3's q/k norm): the same bits either way, so the prefill's
     logits are identical with and without them."""
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = tiny_checkpoint(arch)  # every row computed both times: no prefix cache
     llm = LLM(str(path), matmul_precision="bf16", enable_prefix_caching=False, **SMALL_KV)
     layers = llm.engine.core.runner.model.model.local_layers
@@ -259,7 +259,7 @@ def test_an_idle_engine_runs_its_matmuls_at_every_rounded_row_count(tiny_checkpo
     none to make."""
     from ember.engine.padded_rows import ROW_QUANTUM
 
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = str(tiny_checkpoint("llama"))
     llm = LLM(path, matmul_precision="bf16", max_num_batched_tokens=64, **SMALL_KV)
     core = llm.engine.core
@@ -356,9 +356,9 @@ def test_an_exact_engine_beside_a_bf16_one_stays_exact(tiny_checkpoint):
 def test_without_bf16_units_bf16_is_refused_and_auto_stays_exact(
     tiny_checkpoint, monkeypatch, caplog
 ):
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: False)
-    monkeypatch.setattr("ember.engine.model_runner.cpu_bf16_outruns_fp32", lambda: False)
-    monkeypatch.setattr("ember.engine.model_runner.cpu_int8_outruns_fp32", lambda k: False)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: False)
+    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: False)
+    monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: False)
     path = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match="matmul_precision 'bf16' needs a CPU with AMX"):
         LLM(str(path), matmul_precision="bf16", **SMALL_KV)
@@ -386,8 +386,8 @@ def test_the_default_is_auto_unless_the_environment_names_one(
 ):
     """No precision given: bf16 where its units outrun fp32, exact fp32 elsewhere here;
     $EMBER_MATMUL_PRECISION (which child processes inherit) overrides it."""
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: has_bf16)
-    monkeypatch.setattr("ember.engine.model_runner.cpu_bf16_outruns_fp32", lambda: has_bf16)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: has_bf16)
     monkeypatch.delenv("EMBER_MATMUL_PRECISION")
     assert EngineConfig().matmul_precision == "auto"
     assert build_parser().parse_args(["serve"]).matmul_precision == "auto"

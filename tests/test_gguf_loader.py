@@ -445,7 +445,7 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
 
     if cpu_kernels() is None:
         pytest.skip("no C++ toolchain to build kernels")
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES[case])
     options = dict(kv_cache_memory=1 << 24, matmul_precision=precision, decode_activations="fp32")
@@ -502,7 +502,7 @@ def test_max_rank_memory_counts_what_the_weights_will_hold(
 
     if cpu_kernels() is None:
         pytest.skip("no C++ toolchain to build kernels")
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES[case])
     kv = 1 << 24
@@ -577,7 +577,7 @@ def test_drafts_verify_on_int8_tiles_as_their_decodes_run(
 
     if cpu_kernels() is None:
         pytest.skip("no C++ toolchain to build kernels")
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES["llama-Q4_1"])
     prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(5 + 9 * j)] for j in range(4)]
@@ -610,7 +610,7 @@ def test_decode_batches_past_16_stay_on_int8_tiles_under_bf16(
 
     if cpu_kernels() is None:
         pytest.skip("no C++ toolchain to build kernels")
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES[case])
     prompts = [[(5 * i + j) % (VOCAB - 3) + 3 for i in range(4 + j % 3)] for j in range(20)]
@@ -650,7 +650,7 @@ def test_decode_activations_are_int8_unless_exact_or_asked_for_fp32(
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ toolchain to build kernels")
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES["llama-k-quants"])
     x86 = kernels.isa in ("avx512", "avx2")

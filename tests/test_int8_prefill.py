@@ -114,9 +114,9 @@ def test_auto_takes_the_precision_measured_fastest_on_the_cpu(
 ):
     """auto: bf16 where its units outrun fp32 (AMX; AVX-512 BF16 on AMD), else int8 where
     the tiles run on AVX512-VNNI, else exact fp32 prefill (decode still int8)."""
-    monkeypatch.setattr("ember.engine.model_runner.cpu_has_bf16", lambda: True)
-    monkeypatch.setattr("ember.engine.model_runner.cpu_bf16_outruns_fp32", lambda: bf16_fast)
-    monkeypatch.setattr("ember.engine.model_runner.cpu_int8_outruns_fp32", lambda k: vnni)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: bf16_fast)
+    monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: vnni)
     with caplog.at_level(logging.INFO, logger="ember.engine"):
         llm = LLM(str(files["llama-Q4_1"]), matmul_precision="auto", **SMALL)
     runner = llm.engine.core.runner

@@ -25,6 +25,7 @@ from ember.distributed.executor import (
     check_parallel,
 )
 from ember.distributed.parallel import SKIP, PipelineStage, TPGroup, building
+from ember.engine import precision
 from ember.engine.attention import get_attention_backend
 from ember.engine.kernels import cpu_kernels
 from ember.engine.kv_spec import KVCacheSpec
@@ -41,9 +42,6 @@ from ember.models.layers import (
     BF16_MIN_ROWS,
     block_decode_summary,
     can_pack_for_cpu,
-    cpu_bf16_outruns_fp32,
-    cpu_has_bf16,
-    cpu_int8_outruns_fp32,
     planned_weight_bytes,
     use_int8_activations,
 )
@@ -146,7 +144,9 @@ class ModelRunner:
     def _load_model(self, model_cls, checkpoint: Checkpoint, max_model_len: int) -> torch.nn.Module:
         packs = can_pack_for_cpu(self.device, self.dtype)
         # refused before any weight is read
-        self.prefill_precision = self._prefill_precision() if packs else "model dtype"
+        self.prefill_precision = (
+            precision.prefill_precision(self.config) if packs else "model dtype"
+        )
         self.int8_decode = False  # decode steps on GGUF blocks in int8 (_load_weights)
         self.bf16_prefill = bf16_prefill = self.prefill_precision == "bf16"
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
@@ -242,47 +242,6 @@ class ModelRunner:
                 f"more processes, e.g. tensor_parallel_size={ranks}"
             )
 
-    def _prefill_precision(self) -> str:
-        """What CPU steps of BF16_MIN_ROWS+ tokens (prefill chunks, large decode batches)
-        multiply in: "fp32" (matmul_precision ieee), "bf16" (refused on a CPU without bf16
-        units) or "int8" (GGUF blocks that tile take every row count on their int8 tiles;
-        other matmuls stay fp32); auto picks what was measured fastest on such a CPU."""
-        precision = self.config.matmul_precision
-        if precision == "ieee":
-            return "fp32"
-        if precision == "bf16" and not cpu_has_bf16():
-            raise ValueError(
-                "matmul_precision 'bf16' needs a CPU with AMX or AVX-512 BF16, and this one "
-                "has neither (oneDNN would emulate bf16, slower than fp32); use 'ieee' or 'auto'"
-            )
-        if precision == "int8" and self.config.decode_activations == "fp32":
-            raise ValueError(
-                "matmul_precision 'int8' multiplies every row on int8 activations, which "
-                "decode_activations 'fp32' refuses; set one of them otherwise"
-            )
-        if precision != "auto":
-            logger.info("matmul_precision %s: steps of 16+ tokens run in %s", precision, precision)
-            return precision
-        choice, why = self._auto_prefill_precision()
-        logger.info("matmul_precision auto: %s", why)
-        return choice
-
-    def _auto_prefill_precision(self) -> tuple[str, str]:
-        """matmul_precision auto, by what was measured on each kind of CPU
-        (docs/benchmarks.md): bf16 where its units outrun fp32 (AMX: 3.8-4.1x less prefill
-        time; AVX-512 BF16 on an AMD EPYC: 1.6x); else int8 where the tiles' sums run on
-        AVX512-VNNI (an Intel Xeon whose AMX is not offered: oneDNN's bf16 matmuls 1.7x
-        slower than its fp32 ones, the tiles 1.6-2.3x faster); else exact fp32. Decode
-        activations asked in fp32 keep prefill exact too."""
-        if cpu_bf16_outruns_fp32():
-            return "bf16", "steps of 16+ tokens run in bf16 (AMX, or AVX-512 BF16 on AMD)"
-        if cpu_int8_outruns_fp32(cpu_kernels()) and self.config.decode_activations != "fp32":
-            return "int8", (
-                "steps of 16+ tokens multiply GGUF blocks that tile on int8 activations "
-                "(AVX512-VNNI; bf16 would be slower than fp32 here), other matmuls in fp32"
-            )
-        return "fp32", "no bf16 or int8 units that outrun fp32 here, prefill stays exact fp32"
-
     def _kv_dtype(self) -> torch.dtype:
         """The KV cache's element type (EngineConfig.kv_cache_dtype): auto is bfloat16 for
         a cache of keys and values on a CPU whose prefill runs in bf16, whose prefill
@@ -295,27 +254,10 @@ class ModelRunner:
             return torch.bfloat16
         return self.dtype
 
-    def _int8_activations(self) -> bool:
-        """Whether decode steps on GGUF blocks round their activations to int8
-        (decode_activations int8, or prefill too in int8, or auto where matmul_precision is
-        not ieee and the kernels are an x86 build, whose integer products are faster than
-        fp32's)."""
-        choice = self.config.decode_activations
-        if self.prefill_precision == "int8":
-            return True  # (fp32 refused with it: _prefill_precision)
-        if choice != "auto":
-            return choice == "int8"
-        kernels = cpu_kernels()
-        return (
-            self.config.matmul_precision != "ieee"
-            and kernels is not None
-            and kernels.isa in ("avx512", "avx2")
-        )
-
     def _mark_int8(self, model: torch.nn.Module) -> bool:
         """Before packing (or planning) a model with GGUF blocks: its matmuls' int8 rows
         (every row under prefill_precision int8); whether there are any."""
-        int8 = self._int8_activations()
+        int8 = precision.int8_decode(self.config, self.prefill_precision)
         if int8:
             use_int8_activations(model, every_row=self.prefill_precision == "int8")
         return int8

@@ -1,0 +1,77 @@
+"""What a CPU engine's matmuls multiply in, resolved once at load from EngineConfig
+(matmul_precision, decode_activations) and what the CPU was measured to run fastest.
+
+ModelRunner asks `prefill_precision` before any weight is read (a refusal costs no
+load) and `int8_decode` before packing; the model's Linears then take the choice
+(layers.use_int8_activations, pack_for_cpu's bf16_prefill).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ember.config import EngineConfig
+from ember.engine.kernels import cpu_kernels
+from ember.models.layers import cpu_bf16_outruns_fp32, cpu_has_bf16, cpu_int8_outruns_fp32
+
+logger = logging.getLogger("ember.engine")
+
+
+def prefill_precision(config: EngineConfig) -> str:
+    """What CPU steps of BF16_MIN_ROWS+ tokens (prefill chunks, large decode batches)
+    multiply in: "fp32" (matmul_precision ieee), "bf16" (refused on a CPU without bf16
+    units) or "int8" (GGUF blocks that tile take every row count on their int8 tiles;
+    other matmuls stay fp32); auto picks what was measured fastest on such a CPU."""
+    precision = config.matmul_precision
+    if precision == "ieee":
+        return "fp32"
+    if precision == "bf16" and not cpu_has_bf16():
+        raise ValueError(
+            "matmul_precision 'bf16' needs a CPU with AMX or AVX-512 BF16, and this one "
+            "has neither (oneDNN would emulate bf16, slower than fp32); use 'ieee' or 'auto'"
+        )
+    if precision == "int8" and config.decode_activations == "fp32":
+        raise ValueError(
+            "matmul_precision 'int8' multiplies every row on int8 activations, which "
+            "decode_activations 'fp32' refuses; set one of them otherwise"
+        )
+    if precision != "auto":
+        logger.info("matmul_precision %s: steps of 16+ tokens run in %s", precision, precision)
+        return precision
+    choice, why = _auto(config)
+    logger.info("matmul_precision auto: %s", why)
+    return choice
+
+
+def _auto(config: EngineConfig) -> tuple[str, str]:
+    """matmul_precision auto, by what was measured on each kind of CPU
+    (docs/benchmarks.md): bf16 where its units outrun fp32 (AMX: 3.8-4.1x less prefill
+    time; AVX-512 BF16 on an AMD EPYC: 1.6x); else int8 where the tiles' sums run on
+    AVX512-VNNI (an Intel Xeon whose AMX is not offered: oneDNN's bf16 matmuls 1.7x
+    slower than its fp32 ones, the tiles 1.6-2.3x faster); else exact fp32. Decode
+    activations asked in fp32 keep prefill exact too."""
+    if cpu_bf16_outruns_fp32():
+        return "bf16", "steps of 16+ tokens run in bf16 (AMX, or AVX-512 BF16 on AMD)"
+    if cpu_int8_outruns_fp32(cpu_kernels()) and config.decode_activations != "fp32":
+        return "int8", (
+            "steps of 16+ tokens multiply GGUF blocks that tile on int8 activations "
+            "(AVX512-VNNI; bf16 would be slower than fp32 here), other matmuls in fp32"
+        )
+    return "fp32", "no bf16 or int8 units that outrun fp32 here, prefill stays exact fp32"
+
+
+def int8_decode(config: EngineConfig, prefill: str) -> bool:
+    """Whether decode steps on GGUF blocks round their activations to int8
+    (decode_activations int8, or prefill too in int8, or auto where matmul_precision is
+    not ieee and the kernels are an x86 build, whose integer products are faster than
+    fp32's)."""
+    if prefill == "int8":
+        return True  # (fp32 refused with it: prefill_precision)
+    if config.decode_activations != "auto":
+        return config.decode_activations == "int8"
+    kernels = cpu_kernels()
+    return (
+        config.matmul_precision != "ieee"
+        and kernels is not None
+        and kernels.isa in ("avx512", "avx2")
+    )
