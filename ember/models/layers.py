@@ -311,8 +311,8 @@ def use_int8_activations(model: nn.Module, every_row: bool = False) -> None:
     """Every matmul of `model` multiplies its GGUF blocks on int8 activations in steps of up
     to int8_rows(its blocks) rows (decode_activations int8); with `every_row`
     (matmul_precision int8) a matmul whose blocks tile does so at every row count, prefill
-    chunks included, and keeps no packed copy. Call before the blocks load (which W need
-    not be read depends on it)."""
+    chunks included, and keeps no packed copy. Call before pack_for_cpu, and on a planning
+    copy before planned_weight_bytes (which then counts no packed copy for it)."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.int8_max_rows = EVERY_ROW if every_row else BLOCK_GEMM_MAX_ROWS
