@@ -105,7 +105,8 @@ def replay(engine, prompts, params, concurrency: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--precision", default="bf16", choices=["ieee", "bf16", "auto"])
+    p.add_argument("--precision", default="bf16", choices=["ieee", "bf16", "int8", "auto"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-step-ms", type=float, default=100.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--trace", default=str(TRACE))
@@ -126,6 +127,7 @@ def main() -> None:
         max_model_len=4096,
         max_step_ms=args.max_step_ms,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine, tokenizer = llm.engine, llm.get_tokenizer()
     if args.fp32_attention:

@@ -245,3 +245,47 @@ def test_bf16_prefill_chunks_take_the_fastest_route_the_cpu_has(
     kernel_calls = sum(n > 1 for n in lengths) - len(rows)  # a 1-token chunk decodes
     kind = "amx" if amx else ("bf16" if bf16_dot else "fp32")
     assert calls == {"amx": 0, "bf16": 0, "fp32": 0} | {kind: kernel_calls}
+
+
+@pytest.mark.parametrize("kind", ["amx", "bf16", "fp32"])
+def test_float32_chunks_attend_in_bf16_products_where_asked(kind):
+    """`bf16_chunks` (int8 prefill steps where bf16 outruns fp32): a float32 chunk is
+    attended as the same chunk in bf16 would be, bit for bit, and comes back in float32;
+    a decode in the same step keeps float32 q. Without bf16 units (`fp32`) nothing is
+    rounded: the float32 kernel's result, within float32 rounding of causal attention."""
+    from ember.engine.attention import CPUPagedBackend
+    from ember.engine.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kind == "bf16" and not kernels.bf16_dot_supported():
+        pytest.skip("this CPU has no bf16 dot product (AVX512-BF16)")
+    if kind == "amx" and not kernels.amx_supported():
+        pytest.skip("this CPU or build has no AMX tiles")
+    backend = CPUPagedBackend(kernels, bf16_sdpa=False, bf16_dot=kind == "bf16", amx=kind == "amx")
+    assert backend.attends_bf16 == (kind != "fp32")
+    torch.manual_seed(1)
+    head_dim, lengths = 64, [40, 23, 7]
+    seqs, free, used = [], torch.randperm(64), 0
+    for n in lengths:
+        table = free[used : used + -(-n // BS)]
+        used += len(table)
+        seqs.append((*(torch.randn(n, heads, head_dim) for heads in (H, HKV, HKV)), table))
+    done = [0, 22, 0]  # the second sequence decodes its 23rd token
+    kv_cache = torch.zeros(2, 64, BS, HKV, head_dim)
+    run_step(backend, kv_cache, [(q[:22], k[:22], v[:22], t) for q, k, v, t in seqs[1:2]], [0])
+    as_bf16 = run_step(
+        backend, kv_cache.clone(), [(q.bfloat16(), *rest) for q, *rest in seqs], done
+    )
+    backend.bf16_chunks = True
+    outs = run_step(backend, kv_cache, seqs, done)
+    for i, (q, k, v, _) in enumerate(seqs):
+        assert outs[i].dtype == torch.float32
+        n0 = done[i]
+        exact = reference(q, k, v)[n0:]
+        if i == 1:  # the decode: float32 q either way
+            torch.testing.assert_close(outs[i], exact, atol=1e-5, rtol=0)
+        elif kind == "fp32":
+            torch.testing.assert_close(outs[i], exact, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(outs[i], as_bf16[i].float())
+            assert 1e-4 < (outs[i] - exact).abs().max() < 3e-2

@@ -106,16 +106,24 @@ def test_int8_prefill_stays_near_exact_prefill(files):
 
 
 @pytest.mark.parametrize(
-    "bf16_fast, vnni, expected",
-    [(True, True, "bf16"), (False, True, "int8"), (False, False, "fp32")],
+    "amx, vnni, bf16_fast, expected",
+    [
+        (True, True, True, "bf16"),  # a Xeon with AMX
+        (False, True, True, "int8"),  # an AMD EPYC with AVX512-VNNI and BF16
+        (False, True, False, "int8"),  # a Xeon whose AMX is not offered
+        (False, False, True, "bf16"),  # AMD's AVX512-BF16, tiles without VNNI
+        (False, False, False, "fp32"),
+    ],
 )
 def test_auto_takes_the_precision_measured_fastest_on_the_cpu(
-    files, monkeypatch, caplog, bf16_fast, vnni, expected
+    files, monkeypatch, caplog, amx, vnni, bf16_fast, expected
 ):
-    """auto: bf16 where its units outrun fp32 (AMX; AVX-512 BF16 on AMD), else int8 where
-    the tiles run on AVX512-VNNI, else exact fp32 prefill (decode still int8)."""
+    """auto: bf16 on AMX, else int8 where the tiles run on AVX512-VNNI (its prompts
+    attending in bf16 where bf16 outruns fp32, with a bf16 KV cache), else bf16 where it
+    outruns fp32, else exact fp32 prefill (decode still int8)."""
     monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
-    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: bf16_fast)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: amx)
+    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: bf16_fast or amx)
     monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: vnni)
     with caplog.at_level(logging.INFO, logger="ember.engine"):
         llm = LLM(str(files["llama-Q4_1"]), matmul_precision="auto", **SMALL)
@@ -123,13 +131,40 @@ def test_auto_takes_the_precision_measured_fastest_on_the_cpu(
     assert runner.prefill_precision == expected
     assert runner.bf16_prefill == (expected == "bf16")
     assert any(m.block_max_rows == EVERY_ROW for m in _linears(llm)) == (expected == "int8")
+    backend = runner.model.model.layers[0].self_attn.backend
+    bf16_chunks = expected == "int8" and bf16_fast and backend.attends_bf16
+    assert backend.bf16_chunks == bf16_chunks
+    assert runner.bf16_attention == (bf16_chunks or expected == "bf16")
+    assert runner.kv_caches[0].dtype == (torch.bfloat16 if runner.bf16_attention else torch.float32)
     assert runner.int8_decode  # decode steps round to int8 in every auto choice
     assert "matmul_precision auto: " in caplog.text
-    # decode activations asked exact keep prefill exact too
+    # decode activations asked exact keep prefill off the int8 tiles
     exact_decode = LLM(
         str(files["llama-Q4_1"]), decode_activations="fp32", matmul_precision="auto", **SMALL
     )
-    assert exact_decode.engine.core.runner.prefill_precision == ("bf16" if bf16_fast else "fp32")
+    faster = "bf16" if bf16_fast or amx else "fp32"
+    assert exact_decode.engine.core.runner.prefill_precision == faster
+
+
+def test_auto_takes_int8_only_for_checkpoints_mostly_in_tiled_blocks(files, monkeypatch):
+    """int8 leaves matmuls whose blocks do not tile (K-quants, fp16 or fp32 matrices) in
+    fp32, so auto takes it only where at least half of the matrix weights are in blocks
+    the tiles take (Checkpoint.tiled_share, from the file's index); elsewhere a CPU whose
+    bf16 outruns fp32 keeps bf16."""
+    from ember.engine import precision
+    from ember.loader.checkpoint import open_checkpoint
+
+    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: False)
+    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: True)
+    monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: True)
+    share = open_checkpoint(files["llama-Q4_1"]).tiled_share()
+    k_share = open_checkpoint(files["llama-k-quants"]).tiled_share()
+    assert share == 1.0 and 0.5 < k_share < 0.9  # its two down projections: K-quants
+    config = EngineConfig(matmul_precision="auto")
+    assert precision.prefill_precision(config, share) == "int8"
+    assert precision.prefill_precision(config, precision.TILED_SHARE_FOR_INT8) == "int8"
+    assert precision.prefill_precision(config, 0.49) == "bf16"
+    assert precision.prefill_precision(config, 0.0) == "bf16"  # safetensors, fp16 GGUF
 
 
 def test_int8_is_refused_beside_fp32_decode_and_keys_its_own_kv(files, monkeypatch):

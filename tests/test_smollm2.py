@@ -16,6 +16,7 @@ from ember.engine.kernels import cpu_kernels, selected_isa, supported_isas
 from ember.loader.checkpoint import open_checkpoint
 from ember.loader.default_models import resolve_model
 from ember.loader.hf_reference import transformers_model
+from ember.models.layers import cpu_bf16_outruns_fp32
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -177,13 +178,15 @@ def test_answers_sensibly(smollm2):
 def test_int8_prefill_stays_near_exact_and_with_transformers_but_at_near_ties(
     smollm2, reference_tokens
 ):
-    """matmul_precision int8 (auto where the tiles run on AVX512-VNNI and bf16 does not
-    outrun fp32): prompts multiply the file's blocks on int8 activations too, as llama.cpp
-    does. The 286 positions of a text prompt against exact fp32 (measured on an Intel
-    Xeon without AMX: mean error 0.18 of logits up to 39.5, the top-1 token the same at
-    94.4% of positions, KL 0.005 on average) within bounds that bf16's error (0.06) would
-    not reach from below; each chat's greedy tokens are transformers' up to, at most, a
-    position where transformers' own top two logits are within 1.0."""
+    """matmul_precision int8 (auto where the tiles run on AVX512-VNNI, but on AMX):
+    prompts multiply the file's blocks on int8 activations too, as llama.cpp does, and
+    attend in bf16 where bf16 outruns fp32. The 286 positions of a text prompt against
+    exact fp32 (measured on an Intel Xeon without AMX, fp32 attention: mean error 0.18 of
+    logits up to 39.5, the top-1 token the same at 94.4% of positions, KL 0.005 on
+    average; on an AMD EPYC, bf16 attention: 0.17, 91.6%, 0.005) within bounds that
+    bf16's error (0.06) would not reach from below; each chat's greedy tokens are
+    transformers' up to, at most, a position where transformers' own top two logits are
+    within 1.0."""
     from test_models import prefill_logits
 
     if cpu_kernels() is None:
@@ -193,6 +196,8 @@ def test_int8_prefill_stays_near_exact_and_with_transformers_but_at_near_ties(
                matmul_precision="int8")  # fmt: skip
     down = int8.engine.core.runner.model.model.layers[0].mlp.down_proj
     assert down.packed is None and down.block_max_rows > 512  # every row on the tiles
+    backend = int8.engine.core.runner.model.model.layers[0].self_attn.backend
+    assert backend.bf16_chunks == (cpu_bf16_outruns_fp32() and backend.attends_bf16)
     text = open(Path(__file__).resolve().parents[1] / "README.md").read()
     prompt = llm.get_tokenizer()(text)["input_ids"][:286]
     ours, exact = prefill_logits(int8, prompt), prefill_logits(llm, prompt)

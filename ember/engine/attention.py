@@ -207,6 +207,16 @@ class CPUPagedBackend(TorchSDPABackend):
         self.amx = kernels.amx_supported() if amx is None else amx
         self.bf16_sdpa = cpu_has_amx() if bf16_sdpa is None else bf16_sdpa
         self.bf16_dot = kernels.bf16_dot_supported() if bf16_dot is None else bf16_dot
+        # float32 chunks (int8 prefill steps) attend in bf16 products too where the CPU
+        # has them (attends_bf16), q rounded to bf16 and the output widened back
+        # (ModelRunner sets it: precision.bf16_chunk_attention)
+        self.bf16_chunks = False
+
+    @property
+    def attends_bf16(self) -> bool:
+        """Whether a bf16 chunk attends in bf16 products here (AMX or AVX512-BF16), not
+        in the float32 kernel."""
+        return self.amx or self.bf16_dot
 
     def _write(self, k, v, kv_cache, slot_mapping):
         self.kernels.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
@@ -216,6 +226,8 @@ class CPUPagedBackend(TorchSDPABackend):
         already), causal without a mask; a bf16 step's chunk in bf16 products where the CPU
         multiplies bf16 pairs, else in float32 (at SmolLM2's shapes 1.3-2x faster than
         torch's SDPA in either dtype, docs/benchmarks.md)."""
+        if self.bf16_chunks and q.dtype == torch.float32 and self.attends_bf16:
+            return self._prefill(q.to(torch.bfloat16), k, v, kv_cache, seq, scale).float()
         bf16 = q.dtype == torch.bfloat16
         if q.shape[-1] not in self.prefill_head_dims or (
             bf16 and not self.amx and self.bf16_sdpa and seq.query_len >= AMX_SDPA_MIN_ROWS

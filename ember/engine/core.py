@@ -158,7 +158,7 @@ class EngineCore:
         return (
             f"v1|{self.checkpoint.identity()}|{layout}|block {self.config.block_size}|"
             f"{runner.dtype}|{runner.weight_dtype}|prefill {runner.prefill_precision}|"
-            f"int8 decode {runner.int8_decode}|"
+            f"int8 decode {runner.int8_decode}|bf16 attention {runner.bf16_attention}|"
             f"{runner.device.type}"
         )
 

@@ -26,7 +26,7 @@ from ember.distributed.executor import (
 )
 from ember.distributed.parallel import SKIP, PipelineStage, TPGroup, building
 from ember.engine import precision
-from ember.engine.attention import get_attention_backend
+from ember.engine.attention import CPUPagedBackend, get_attention_backend
 from ember.engine.kernels import cpu_kernels
 from ember.engine.kv_spec import KVCacheSpec
 from ember.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
@@ -145,11 +145,18 @@ class ModelRunner:
         packs = can_pack_for_cpu(self.device, self.dtype)
         # refused before any weight is read
         self.prefill_precision = (
-            precision.prefill_precision(self.config) if packs else "model dtype"
+            precision.prefill_precision(self.config, checkpoint.tiled_share())
+            if packs
+            else "model dtype"
         )
         self.int8_decode = False  # decode steps on GGUF blocks in int8 (_load_weights)
         self.bf16_prefill = bf16_prefill = self.prefill_precision == "bf16"
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
+        # int8 steps' chunks attend in bf16 where that is faster (their KV in bf16 then)
+        self.bf16_attention = bf16_prefill
+        if isinstance(backend, CPUPagedBackend) and backend.attends_bf16:
+            if precision.bf16_chunk_attention(self.prefill_precision):
+                self.bf16_attention = backend.bf16_chunks = True
 
         def build(device: torch.device | str) -> torch.nn.Module:
             default_dtype = torch.get_default_dtype()
@@ -244,13 +251,13 @@ class ModelRunner:
 
     def _kv_dtype(self) -> torch.dtype:
         """The KV cache's element type (EngineConfig.kv_cache_dtype): auto is bfloat16 for
-        a cache of keys and values on a CPU whose prefill runs in bf16, whose prefill
-        attention already rounds them to bf16 (ember's kernels widen a bf16 cache as they
-        read it), else the activations' dtype."""
+        a cache of keys and values on a CPU whose prefill attends in bf16 (bf16 steps, and
+        int8 ones where bf16_chunk_attention), which rounds them to bf16 already (ember's
+        kernels widen a bf16 cache as they read it), else the activations' dtype."""
         choice = self.config.kv_cache_dtype
         if choice != "auto":
             return getattr(torch, choice)
-        if self.device.type == "cpu" and self.bf16_prefill and self.kv_spec.num_parts == 2:
+        if self.device.type == "cpu" and self.bf16_attention and self.kv_spec.num_parts == 2:
             return torch.bfloat16
         return self.dtype
 

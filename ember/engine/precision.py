@@ -12,16 +12,27 @@ import logging
 
 from ember.config import EngineConfig
 from ember.engine.kernels import cpu_kernels
-from ember.models.layers import cpu_bf16_outruns_fp32, cpu_has_bf16, cpu_int8_outruns_fp32
+from ember.models.layers import (
+    cpu_bf16_outruns_fp32,
+    cpu_has_amx,
+    cpu_has_bf16,
+    cpu_int8_outruns_fp32,
+)
 
 logger = logging.getLogger("ember.engine")
 
+# auto takes int8 for a checkpoint with at least this share of its matrix weights in
+# blocks the tiles take (SmolLM2's Q4_1 file: all; llama.cpp's Q4_K_M: a few layers')
+TILED_SHARE_FOR_INT8 = 0.5
 
-def prefill_precision(config: EngineConfig) -> str:
+
+def prefill_precision(config: EngineConfig, tiled_share: float = 0.0) -> str:
     """What CPU steps of BF16_MIN_ROWS+ tokens (prefill chunks, large decode batches)
     multiply in: "fp32" (matmul_precision ieee), "bf16" (refused on a CPU without bf16
     units) or "int8" (GGUF blocks that tile take every row count on their int8 tiles;
-    other matmuls stay fp32); auto picks what was measured fastest on such a CPU."""
+    other matmuls stay fp32); auto picks what was measured fastest on such a CPU for a
+    checkpoint with `tiled_share` of its matrix weights in such blocks
+    (Checkpoint.tiled_share)."""
     precision = config.matmul_precision
     if precision == "ieee":
         return "fp32"
@@ -38,26 +49,42 @@ def prefill_precision(config: EngineConfig) -> str:
     if precision != "auto":
         logger.info("matmul_precision %s: steps of 16+ tokens run in %s", precision, precision)
         return precision
-    choice, why = _auto(config)
+    choice, why = _auto(config, tiled_share)
     logger.info("matmul_precision auto: %s", why)
     return choice
 
 
-def _auto(config: EngineConfig) -> tuple[str, str]:
+def _auto(config: EngineConfig, tiled_share: float) -> tuple[str, str]:
     """matmul_precision auto, by what was measured on each kind of CPU
-    (docs/benchmarks.md): bf16 where its units outrun fp32 (AMX: 3.8-4.1x less prefill
-    time; AVX-512 BF16 on an AMD EPYC: 1.6x); else int8 where the tiles' sums run on
-    AVX512-VNNI (an Intel Xeon whose AMX is not offered: oneDNN's bf16 matmuls 1.7x
-    slower than its fp32 ones, the tiles 1.6-2.3x faster); else exact fp32. Decode
-    activations asked in fp32 keep prefill exact too."""
-    if cpu_bf16_outruns_fp32():
-        return "bf16", "steps of 16+ tokens run in bf16 (AMX, or AVX-512 BF16 on AMD)"
-    if cpu_int8_outruns_fp32(cpu_kernels()) and config.decode_activations != "fp32":
+    (docs/benchmarks.md): bf16 on AMX (3.8-4.1x less prefill time than fp32); else int8
+    where the tiles' sums run on AVX512-VNNI (an AMD EPYC: the tiles 1.1-2.3x oneDNN's
+    bf16 at 16-512 rows, the conversation trace served 1.2-1.4x faster than in bf16,
+    its chunks still attending in bf16; an Intel Xeon whose AMX is not offered: oneDNN's
+    bf16 1.7x slower than its fp32, the tiles 1.6-2.3x faster), for a checkpoint whose
+    matrices are mostly in such blocks (int8 leaves the others in fp32); else bf16 where
+    it outruns fp32 (AVX-512 BF16 on AMD, 2x); else exact fp32. Decode activations asked
+    in fp32 rule int8 out."""
+    if cpu_has_amx():
+        return "bf16", "steps of 16+ tokens run in bf16 (AMX)"
+    int8_pays = tiled_share >= TILED_SHARE_FOR_INT8 and config.decode_activations != "fp32"
+    if int8_pays and cpu_int8_outruns_fp32(cpu_kernels()):
+        attention = "bf16" if cpu_bf16_outruns_fp32() else "fp32"
         return "int8", (
             "steps of 16+ tokens multiply GGUF blocks that tile on int8 activations "
-            "(AVX512-VNNI; bf16 would be slower than fp32 here), other matmuls in fp32"
+            f"(AVX512-VNNI), other matmuls in fp32, prompts attending in {attention}"
         )
+    if cpu_bf16_outruns_fp32():
+        return "bf16", "steps of 16+ tokens run in bf16 (AVX-512 BF16 on AMD)"
     return "fp32", "no bf16 or int8 units that outrun fp32 here, prefill stays exact fp32"
+
+
+def bf16_chunk_attention(prefill: str) -> bool:
+    """Whether int8 prefill steps' chunks attend in bf16 products (q, keys, values and the
+    softmax weights rounded to bf16; scores, softmax and sums in fp32), as bf16 steps'
+    do: where bf16 was measured to outrun fp32 (AMX; AVX-512 BF16 on AMD, whose bf16
+    attention kernel is 1.4-1.7x the fp32 one). On the trace there the fp32 kernel was a
+    third of int8 prefill's time (docs/benchmarks.md)."""
+    return prefill == "int8" and cpu_bf16_outruns_fp32()
 
 
 def int8_decode(config: EngineConfig, prefill: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +51,22 @@ class Checkpoint:
             stat = file.stat()
             parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
         return "|".join(parts)
+
+    def tiled_share(self) -> float:
+        """The share of this checkpoint's matrix weights (2-D and stacked tensors) held in
+        GGUF blocks that the int8 tiles take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), from the
+        file's index: nothing read. 0 for other checkpoints."""
+        if not self.is_gguf:
+            return 0.0
+        from ember.loader.dequant import TILED_FORMATS
+
+        tiled = total = 0
+        for entry in self.gguf_index.tensors:
+            if len(entry.shape) >= 2:
+                count = math.prod(entry.shape)
+                total += count
+                tiled += count if entry.tensor_type in TILED_FORMATS else 0
+        return tiled / total if total else 0.0
 
     def weights(self, narrow: Narrow | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) pairs, with a progress bar and a timing log line.
