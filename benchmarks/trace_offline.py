@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import ember.engine.calibration as calibration
 import ember.models.layers as layers
 from ember.bench.workloads import WordSource, trace_workload
 from ember.engine.kernels import cpu_kernels
@@ -78,13 +79,17 @@ def time_kernels(engine) -> TimedKernels:
 def replay(engine, prompts, params, concurrency: int):
     """Runs `prompts` through the engine `concurrency` at a time, step by step, as a
     serving client keeping that many requests open would: (wall seconds, each step's
-    seconds, each step's shape (None for an empty step))."""
+    seconds, each step's shape (None for an empty step), the step cost model's prediction
+    of each)."""
     scheduler, shapes, step_s = engine.core.scheduler, [], []
+    predicted = []
     schedule = scheduler.schedule
 
     def recording_schedule(*args):
         out = schedule(*args)
         shapes.append(None if out.empty else out.shape())
+        # what the step cost model predicted for it, before it ran
+        predicted.append(None if out.empty else scheduler.cost_model.predict_ms(shapes[-1]))
         return out
 
     scheduler.schedule = recording_schedule
@@ -100,7 +105,7 @@ def replay(engine, prompts, params, concurrency: int):
         step_s.append(time.perf_counter() - t)
         running -= {o.request_id for o in outputs if o.finished}
     scheduler.schedule = schedule
-    return time.perf_counter() - start, step_s, shapes
+    return time.perf_counter() - start, step_s, shapes, predicted
 
 
 def main() -> None:
@@ -115,11 +120,23 @@ def main() -> None:
     p.add_argument("--kernel-times", action="store_true")
     p.add_argument("--steps", action="store_true")
     p.add_argument(
+        "--short-calibration",
+        action="store_true",
+        help="calibrate without the chunks after a long context (the pairs' cost a prior)",
+    )
+    p.add_argument(
+        "--predictions",
+        action="store_true",
+        help="how far the step cost model's predictions of the steps with prompts were off",
+    )
+    p.add_argument(
         "--fp32-attention",
         action="store_true",
         help="bf16 prefill chunks attend in float32 even where the CPU has a bf16 dot product",
     )
     args = p.parse_args()
+    if args.short_calibration:
+        calibration.LONG_CONTEXT_MIN = 1 << 30
     llm = LLM(
         None,
         matmul_precision=args.precision,
@@ -143,13 +160,13 @@ def main() -> None:
         )["input_ids"]
         for s in sessions
     ]
-    llm.generate([list(range(100, 400))], SamplingParams(max_tokens=4))  # warm-up
-    if args.prefault:
+    if args.prefault:  # the pool's pages, then the step cost calibration, as when idle
         while engine.core.has_idle_work():
             engine.core.idle_work()
+    llm.generate([list(range(100, 400))], SamplingParams(max_tokens=4))  # warm-up
     timed = time_kernels(engine) if args.kernel_times else None
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
-    wall, step_s, shapes = replay(engine, prompts, params, concurrency=8)
+    wall, step_s, shapes, predicted_ms = replay(engine, prompts, params, concurrency=8)
     print(
         f"{args.precision}, --max-step-ms {args.max_step_ms:g}: {wall:.2f} s, {len(step_s)} "
         f"steps, {sum(map(len, prompts))} prompt tokens, {12 * len(prompts)} output tokens"
@@ -157,6 +174,19 @@ def main() -> None:
     if args.steps:
         for seconds, shape in zip(step_s, shapes, strict=False):
             print(f"  {seconds * 1e3:7.1f} ms  {shape}")
+    if args.predictions:
+        steps = zip(step_s, shapes, predicted_ms, strict=False)
+        errors = [
+            (seconds * 1e3 - predicted, seconds * 1e3)
+            for seconds, shape, predicted in steps
+            if shape is not None and shape.num_prefill_tokens
+        ]
+        mean = sum(abs(e) for e, _ in errors) / max(len(errors), 1)
+        over = sum(ms > 1.02 * args.max_step_ms for _, ms in errors) if args.max_step_ms else 0
+        print(
+            f"  steps with prompts: {len(errors)}, predictions off by {mean:.1f} ms on "
+            f"average, {over} steps more than 2% past the budget"
+        )
     if timed is not None:
         for name, seconds in timed.seconds.most_common():
             print(

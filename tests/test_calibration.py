@@ -12,10 +12,10 @@ import torch
 
 from ember.config import EngineConfig
 from ember.engine import calibration
-from ember.engine.calibration import SCRIPT
+from ember.engine.calibration import LONG_CHUNK, LONG_CONTEXT
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
-from ember.engine.step_cost import StepCoefficients, StepCostModel, StepShape
+from ember.engine.step_cost import ATTENTION, StepCoefficients, StepCostModel, StepShape
 from ember.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -66,21 +66,35 @@ def serve(core: EngineCore, prompts: list[list[int]]) -> tuple[list[list[int]], 
     return list(tokens.values()), caps
 
 
-def test_an_idle_engine_calibrates_and_gives_everything_back(make_core):
-    core = make_core()
+@pytest.mark.parametrize("max_model_len", [700, 1024])
+def test_an_idle_engine_calibrates_and_gives_everything_back(make_core, max_model_len):
+    """Where the long-context chunks fit (max_model_len past LONG_CONTEXT_MIN + 2 chunks;
+    this model's context, 1,024, leaves 767 tokens before them), they are among the
+    steps observed and the pairs' prior is let go with the rest; else the script leaves
+    them out and the pairs keep the prior's cost."""
+    core = make_core(max_model_len=max_model_len)
+    long_steps = max_model_len == 1024
+    assert core.calibrator.long_steps == long_steps
+    context = core.calibrator.long_context
+    assert context == min(LONG_CONTEXT, max_model_len - 2 * LONG_CHUNK - 1)
     blocks = core.kv_cache.num_free_blocks
     assert np.allclose(core.step_cost.coefficients, StepCoefficients().as_array())
     seen = {}
     observe = core.step_cost.observe
     core.step_cost.observe = lambda shape, ms: (seen.setdefault(shape, ms), observe(shape, ms))
-    assert idle(core) > len(SCRIPT)  # the prefault's slices, then the script's
-    observed = sum(step.observe for step in SCRIPT)
+    script = core.calibrator.script
+    assert idle(core) > len(script)  # the prefault's slices, then the script's
+    observed = sum(step.observe for step in script)
     assert core.step_cost.num_observed == core.calibrator.num_observed == observed
     # this machine's costs: a tiny model's 512-token step takes a few ms, the prior says ~1 s
     prompt = StepShape(512, 0, StepShape.chunk_pairs(0, 512))
     assert StepCostModel().predict_ms(prompt) > 4 * seen[prompt]  # the prior: far off
     assert seen[prompt] / 2 < core.step_cost.predict_ms(prompt) < 2 * seen[prompt]
-    assert len(seen) == 4  # shapes: two with prompts, two of decodes alone
+    # shapes: two with prompts, two of decodes alone, and the chunk after a long context
+    chunk = StepShape(LONG_CHUNK, 0, StepShape.chunk_pairs(context + LONG_CHUNK, LONG_CHUNK))
+    assert len(seen) == 4 + long_steps and (chunk in seen) == long_steps
+    prior_pull = core.step_cost.fit._ridge[ATTENTION, ATTENTION]
+    assert (prior_pull == 0) == long_steps
     assert core.kv_cache.num_free_blocks == blocks and core.kv_cache.check_integrity()
     assert all(not pool.cached for pool in core.kv_cache.pools)  # no prefix-cache entry
     assert core.kv_cache.stats.queries == 0 and core.step_stats.num_steps == 0
@@ -196,7 +210,7 @@ def test_a_step_timed_while_the_cpu_is_shared_runs_again_later(make_core, shared
     shared_cpu.now += calibration.BACKOFF_S[0] * 1.5  # the longest jittered wait
     assert core.calibrator.ready and core.has_idle_work()
     idle(core)
-    observed = sum(step.observe for step in SCRIPT)
+    observed = sum(step.observe for step in core.calibrator.script)
     assert core.calibrator.done and len(times) == core.calibrator.num_observed == observed
     assert core.calibrator.num_contended == 1
     assert core.kv_cache.num_free_blocks == free and core.kv_cache.check_integrity()
@@ -214,7 +228,7 @@ def test_on_a_box_that_stays_busy_the_steps_are_observed_as_they_come(make_core,
             shared_cpu.now += 10.0  # past any backoff
     assert core.calibrator.done
     assert core.calibrator.num_contended == len(calibration.BACKOFF_S)
-    assert core.calibrator.num_observed == sum(step.observe for step in SCRIPT)
+    assert core.calibrator.num_observed == sum(step.observe for step in core.calibrator.script)
 
 
 def test_a_request_during_the_backoff_drops_the_script(make_core, shared_cpu):

@@ -9,10 +9,24 @@ step of a size oneDNN has not seen yet pays for building its kernels (a few ms a
 So once the KV pool has its pages (the idle work before this one), the engine runs a
 short script of synthetic requests through the model, a step per idle slice: two prompts
 of 512 tokens (the first only warms up), then a prompt in two 256-token chunks beside
-the first two's decodes, then decodes alone, of two sizes (SCRIPT). Every step after a
-shape's first is observed by the cost model as a served step would be, and then the
-prior's costs are let go (`StepCostModel.calibrated`): four shapes of step pin down its
-four coefficients. The requests are the calibration's
+the first two's decodes, then decodes alone, of two sizes, then two chunks of LONG_CHUNK
+tokens after LONG_CONTEXT (less where max_model_len is shorter): SCRIPT. Every step after
+a shape's first is observed by the cost model as a served step would be, and then the
+prior's costs are let go (`StepCostModel.calibrated`): five shapes of step pin down its
+four coefficients.
+
+The long chunks are what tell a query-key pair's cost from a token's. Their request's
+first LONG_CONTEXT tokens are taken as computed, never computed: the attention reads
+their blocks as they are (zeros in a fresh pool; its time does not depend on the
+values), so they cost two steps, not four 512-token prefills. Without them (a
+max_model_len or pool too small for them: SHORT_SCRIPT) the pairs' cost keeps the
+prior's pull until served long contexts teach it. Calibrated on short contexts alone,
+SmolLM2 on a 2-core EPYC predicted a 300-token chunk after 2,000 tokens beside 4 decodes
+(~425 ms by the conversation trace's fit) at 282-306 ms, and so would cap such a chunk
+at 243-264 tokens for a 250 ms budget, a step of ~370 ms; with them it predicted 365-503
+ms and capped it at 145-205 (docs/benchmarks.md).
+
+The requests are the calibration's
 own: their blocks come from the pool (never cached for prefix hits) and go back when the
 script ends, their tokens go nowhere, and the scheduler never sees them. A request that
 arrives meanwhile waits for at most the step under way (~130 ms on the dev box for the
@@ -55,6 +69,10 @@ from ember.sampling_params import SamplingParams
 logger = logging.getLogger("ember.engine")
 
 PROMPT_TOKENS = 512  # the first two prompts; the third comes in two chunks of half
+# the fourth request: two chunks of LONG_CHUNK tokens after LONG_CONTEXT taken as computed
+# (less where max_model_len is shorter, down to LONG_CONTEXT_MIN: at 640 a chunk's token
+# attends 2.5x the pairs a 512-token prompt's does)
+LONG_CONTEXT, LONG_CONTEXT_MIN, LONG_CHUNK = 1536, 640, 128
 # an observed step whose threads had less than this share of their CPU time ran beside
 # another busy process (measured on the dev box, SmolLM2: 0.97-1.0 alone, 0.57-0.61 beside
 # one process spinning on a core, 0.45-0.5 beside two)
@@ -74,7 +92,7 @@ class Step:
     observe: bool = True
 
 
-SCRIPT = (  # a shape's first step only warms up (oneDNN builds its kernels for new sizes)
+SHORT_SCRIPT = (  # a shape's first step only warms up (oneDNN builds its kernels for new sizes)
     Step(chunks=((0, PROMPT_TOKENS),), observe=False),
     Step(chunks=((1, PROMPT_TOKENS),)),
     Step(chunks=((2, PROMPT_TOKENS // 2),), decodes=(0, 1), observe=False),
@@ -84,6 +102,10 @@ SCRIPT = (  # a shape's first step only warms up (oneDNN builds its kernels for 
     Step(decodes=(0,)),  # two decode sizes: a step's base apart from a row's cost
     Step(decodes=(0, 1, 2)),
     Step(decodes=(0,)),
+)
+SCRIPT = SHORT_SCRIPT + (  # the first warms the kernels for its size, the second is timed
+    Step(chunks=((3, LONG_CHUNK),), observe=False),
+    Step(chunks=((3, LONG_CHUNK),)),  # after LONG_CONTEXT + LONG_CHUNK
 )
 
 
@@ -106,17 +128,25 @@ class Calibrator:
         need = PROMPT_TOKENS + len(SCRIPT) + 1
         blocks = 3 * (-(-need // kv_cache.block_size))
         fits = max_model_len > need and kv_cache.num_free_blocks >= blocks
-        self._left = deque(SCRIPT if enabled and fits else ())
+        self.long_context = min(LONG_CONTEXT, max_model_len - 2 * LONG_CHUNK - 1)
+        long_tokens = self.long_context + 2 * LONG_CHUNK
+        blocks += -(-(long_tokens + 1) // kv_cache.block_size)
+        self.long_steps = (
+            self.long_context >= LONG_CONTEXT_MIN and kv_cache.num_free_blocks >= blocks
+        )
+        self.script = SCRIPT if self.long_steps else SHORT_SCRIPT
+        self._left = deque(self.script if enabled and fits else ())
         params = SamplingParams(temperature=0.0, max_tokens=len(SCRIPT), ignore_eos=True)
         self._requests = [
             Request(
                 f"calibration-{i}",
-                [(i * 7919 + t * 104729) % vocab_size for t in range(PROMPT_TOKENS)],
+                [(i * 7919 + t * 104729) % vocab_size for t in range(length)],
                 params,
                 len(SCRIPT),
             )
-            for i in range(3)
+            for i, length in enumerate([PROMPT_TOKENS] * 3 + [max(long_tokens, 1)])
         ]
+        self._requests[3].num_computed_tokens = self.long_context  # not computed: the top
         self.num_observed = 0
         self.num_contended = 0  # steps run again because the CPU was shared
         self._resume_at = 0.0  # time.monotonic() before which no step runs (a backoff)
@@ -174,7 +204,7 @@ class Calibrator:
             self.num_observed += 1
         if not self._left:
             self._end()
-            self.cost_model.calibrated()
+            self.cost_model.calibrated(pairs_seen=self.long_steps)
             logger.debug(
                 "step cost calibrated on %d steps: %s", self.num_observed,
                 self.cost_model.coefficients.round(3).tolist(),

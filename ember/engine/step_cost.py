@@ -182,14 +182,15 @@ class StepCostModel:
         stretch the decode costs are averaged instead."""
         self.fit.observe(shape.features(), measured_ms, fade=shape.num_prefill_tokens > 0)
 
-    def calibrated(self) -> None:
+    def calibrated(self, pairs_seen: bool = False) -> None:
         """The steps observed so far were timed to measure this machine (a fresh engine's
         calibration, ember.engine.calibration): the prior's costs no longer weigh on the
-        fit, but for the attention pairs' (short contexts, all a calibration can afford,
-        hardly tell a pair's cost from a token's: left free, the fit put a 512-token
-        chunk's whole cost on its pairs in one of two fresh starts, and so predicted a chunk
-        after 2,000 tokens at 1 s) and a faint pull on what they left undetermined."""
-        self.fit.drop_prior(keep=(ATTENTION,))
+        fit, but for the attention pairs' unless `pairs_seen` (chunks over a long context
+        among the steps: short contexts alone hardly tell a pair's cost from a token's;
+        left free, the fit put a 512-token chunk's whole cost on its pairs in one of two
+        fresh starts, and so predicted a chunk after 2,000 tokens at 1 s) and a faint pull
+        on what they left undetermined."""
+        self.fit.drop_prior(keep=() if pairs_seen else (ATTENTION,))
 
     def max_prefill_tokens(
         self, num_decode_rows: int, num_computed: int, max_ms: float, limit: int
