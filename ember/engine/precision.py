@@ -22,7 +22,7 @@ from ember.models.layers import (
 logger = logging.getLogger("ember.engine")
 
 # auto takes int8 for a checkpoint with at least this share of its matrix weights in
-# blocks the tiles take (SmolLM2's Q4_1 file: all; llama.cpp's Q4_K_M: a few layers')
+# blocks the tiles take (SmolLM2's Q4_1 file: all of them; a file mostly in K-quants: less)
 TILED_SHARE_FOR_INT8 = 0.5
 
 
