@@ -154,9 +154,9 @@ class ModelRunner:
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
         # int8 steps' chunks attend in bf16 where that is faster (their KV in bf16 then)
         self.bf16_attention = bf16_prefill
-        if isinstance(backend, CPUPagedBackend) and backend.attends_bf16:
-            if precision.bf16_chunk_attention(self.prefill_precision):
-                self.bf16_attention = backend.bf16_chunks = True
+        cpu_bf16 = isinstance(backend, CPUPagedBackend) and backend.attends_bf16
+        if cpu_bf16 and precision.bf16_chunk_attention(self.prefill_precision):
+            self.bf16_attention = backend.bf16_chunks = True
 
         def build(device: torch.device | str) -> torch.nn.Module:
             default_dtype = torch.get_default_dtype()
