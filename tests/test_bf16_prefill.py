@@ -357,6 +357,7 @@ def test_without_bf16_units_bf16_is_refused_and_auto_stays_exact(
     tiny_checkpoint, monkeypatch, caplog
 ):
     monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: False)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: False)  # a bf16 unit too
     monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: False)
     monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: False)
     path = tiny_checkpoint("llama")
@@ -387,6 +388,7 @@ def test_the_default_is_auto_unless_the_environment_names_one(
     """No precision given: bf16 where its units outrun fp32, exact fp32 elsewhere here;
     $EMBER_MATMUL_PRECISION (which child processes inherit) overrides it."""
     monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: has_bf16)
     monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: has_bf16)
     monkeypatch.delenv("EMBER_MATMUL_PRECISION")
     assert EngineConfig().matmul_precision == "auto"

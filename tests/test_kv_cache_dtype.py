@@ -86,6 +86,7 @@ def test_auto_is_bf16_where_prefill_runs_in_bf16(tiny_checkpoint, monkeypatch, h
     """auto: bf16 keys and values where prefill runs in bf16 (its attention rounds them to
     bf16 anyway), float32 in exact mode and on CPUs without bf16 units."""
     monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: has_bf16)  # a bf16 unit
     monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: has_bf16)
     path = str(tiny_checkpoint("llama"))
     for precision, expected in [("auto", has_bf16), ("ieee", False)]:
