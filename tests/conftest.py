@@ -235,3 +235,19 @@ def cpu_isa(monkeypatch):
     yield use
     monkeypatch.delenv("EMBER_CPU_ISA", raising=False)
     selected_isa.cache_clear()
+
+
+def simulate_cpu(monkeypatch, *, bf16=None, amx=None, bf16_fast=None, int8_fast=None) -> None:
+    """Makes matmul_precision auto (ember.engine.precision) see a CPU with or without bf16
+    units (`bf16`: AMX or AVX-512 BF16), AMX (`amx`, a bf16 unit itself), bf16 that
+    outruns fp32 (`bf16_fast`) and int8 tiles that do (`int8_fast`); a probe left None
+    keeps this machine's answer."""
+    probes = {
+        "cpu_has_bf16": bf16,
+        "cpu_has_amx": amx,
+        "cpu_bf16_outruns_fp32": bf16_fast,
+        "cpu_int8_outruns_fp32": int8_fast,
+    }
+    for name, value in probes.items():
+        if value is not None:
+            monkeypatch.setattr(f"ember.engine.precision.{name}", lambda *_, v=value: v)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from test_models import PROMPTS, SMALL_KV, hf_reference, prefill_logits, token_ids
 from transformers import AutoModelForCausalLM
 
+from conftest import simulate_cpu
 from ember import LLM, SamplingParams
 from ember.cli import build_parser
 from ember.config import EngineConfig
@@ -356,10 +357,7 @@ def test_an_exact_engine_beside_a_bf16_one_stays_exact(tiny_checkpoint):
 def test_without_bf16_units_bf16_is_refused_and_auto_stays_exact(
     tiny_checkpoint, monkeypatch, caplog
 ):
-    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: False)
-    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: False)  # a bf16 unit too
-    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: False)
-    monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: False)
+    simulate_cpu(monkeypatch, bf16=False, amx=False, bf16_fast=False, int8_fast=False)
     path = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match="matmul_precision 'bf16' needs a CPU with AMX"):
         LLM(str(path), matmul_precision="bf16", **SMALL_KV)
@@ -387,9 +385,7 @@ def test_the_default_is_auto_unless_the_environment_names_one(
 ):
     """No precision given: bf16 where its units outrun fp32, exact fp32 elsewhere here;
     $EMBER_MATMUL_PRECISION (which child processes inherit) overrides it."""
-    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: has_bf16)
-    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: has_bf16)
-    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: has_bf16)
+    simulate_cpu(monkeypatch, bf16=has_bf16, amx=has_bf16, bf16_fast=has_bf16)
     monkeypatch.delenv("EMBER_MATMUL_PRECISION")
     assert EngineConfig().matmul_precision == "auto"
     assert build_parser().parse_args(["serve"]).matmul_precision == "auto"

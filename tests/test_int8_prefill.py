@@ -13,6 +13,7 @@ import torch
 from test_gguf_loader import BLOCK_CASES, VOCAB, write_tiny_model
 from test_models import prefill_logits
 
+from conftest import simulate_cpu
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 from ember.engine.kernels import cpu_kernels
@@ -121,10 +122,7 @@ def test_auto_takes_the_precision_measured_fastest_on_the_cpu(
     """auto: bf16 on AMX, else int8 where the tiles run on AVX512-VNNI (its prompts
     attending in bf16 where bf16 outruns fp32, with a bf16 KV cache), else bf16 where it
     outruns fp32, else exact fp32 prefill (decode still int8)."""
-    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
-    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: amx)
-    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: bf16_fast or amx)
-    monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: vnni)
+    simulate_cpu(monkeypatch, bf16=True, amx=amx, bf16_fast=bf16_fast or amx, int8_fast=vnni)
     with caplog.at_level(logging.INFO, logger="ember.engine"):
         llm = LLM(str(files["llama-Q4_1"]), matmul_precision="auto", **SMALL)
     runner = llm.engine.core.runner
@@ -154,9 +152,7 @@ def test_auto_takes_int8_only_for_checkpoints_mostly_in_tiled_blocks(files, monk
     from ember.engine import precision
     from ember.loader.checkpoint import open_checkpoint
 
-    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: False)
-    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: True)
-    monkeypatch.setattr("ember.engine.precision.cpu_int8_outruns_fp32", lambda k: True)
+    simulate_cpu(monkeypatch, amx=False, bf16_fast=True, int8_fast=True)
     share = open_checkpoint(files["llama-Q4_1"]).tiled_share()
     k_share = open_checkpoint(files["llama-k-quants"]).tiled_share()
     assert share == 1.0 and 0.5 < k_share < 0.9  # its two down projections: K-quants

@@ -12,6 +12,7 @@ from test_models import PROMPTS, SMALL_KV, prefill_logits, token_ids
 from transformers import AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
 
+from conftest import simulate_cpu
 from ember import LLM
 from ember.cli import build_parser
 from ember.config import EngineConfig
@@ -85,9 +86,7 @@ def test_a_bf16_cache_holds_twice_the_blocks_in_the_same_memory(tiny_checkpoint)
 def test_auto_is_bf16_where_prefill_runs_in_bf16(tiny_checkpoint, monkeypatch, has_bf16):
     """auto: bf16 keys and values where prefill runs in bf16 (its attention rounds them to
     bf16 anyway), float32 in exact mode and on CPUs without bf16 units."""
-    monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: has_bf16)
-    monkeypatch.setattr("ember.engine.precision.cpu_has_amx", lambda: has_bf16)  # a bf16 unit
-    monkeypatch.setattr("ember.engine.precision.cpu_bf16_outruns_fp32", lambda: has_bf16)
+    simulate_cpu(monkeypatch, bf16=has_bf16, amx=has_bf16, bf16_fast=has_bf16)
     path = str(tiny_checkpoint("llama"))
     for precision, expected in [("auto", has_bf16), ("ieee", False)]:
         llm = LLM(path, matmul_precision=precision, **SMALL_KV)
