@@ -6,9 +6,12 @@ engine's time goes, without the HTTP server or the client beside it.
 Sends the first 40 requests of the Mooncake conversation trace (16-token blocks, as
 `ember bench serve --workload trace` builds them; at most 12 output tokens each, about
 what the model answers there), 8 at a time like the client's --max-concurrency 8, and
-prints the wall time and step count; --steps prints every step's time and shape,
---kernel-times the time in each of ember's C++ kernels (and the page faults they took),
---prefault first gives the KV pool its pages as an idle server does.
+prints the wall time, the step count and the requests' time to first token and gaps
+between tokens (as the engine returned them: no HTTP, no detokenizing); --steps prints
+every step's time and shape, --kernel-times the time in each of ember's C++ kernels (and
+the page faults they took), --prefault first does the idle work a server does before
+its first request (KV pages, matmul timings, calibration). --target-itl-ms as `ember
+serve`'s.
 """
 
 from __future__ import annotations
@@ -80,13 +83,13 @@ def replay(engine, prompts, params, concurrency: int):
     """Runs `prompts` through the engine `concurrency` at a time, step by step, as a
     serving client keeping that many requests open would: (wall seconds, each step's
     seconds, each step's shape (None for an empty step), the step cost model's prediction
-    of each)."""
+    of each, each request's time to first token and its gaps between tokens, seconds)."""
     scheduler, shapes, step_s = engine.core.scheduler, [], []
     predicted = []
     schedule = scheduler.schedule
 
-    def recording_schedule(*args):
-        out = schedule(*args)
+    def recording_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
         shapes.append(None if out.empty else out.shape())
         # what the step cost model predicted for it, before it ran
         predicted.append(None if out.empty else scheduler.cost_model.predict_ms(shapes[-1]))
@@ -94,18 +97,37 @@ def replay(engine, prompts, params, concurrency: int):
 
     scheduler.schedule = recording_schedule
     pending, running = list(range(len(prompts))), set()
+    sent, last, seen, ttft, itl = {}, {}, {}, [], []
     start = time.perf_counter()
     while pending or running:
         while pending and len(running) < concurrency:
             i = pending.pop(0)
             engine.add_request(f"r{i}", engine.process_prompt(list(prompts[i])), params)
             running.add(f"r{i}")
+            sent[f"r{i}"] = time.perf_counter()
         t = time.perf_counter()
         outputs = engine.step()
-        step_s.append(time.perf_counter() - t)
+        now = time.perf_counter()
+        step_s.append(now - t)
+        for o in outputs:  # (their token lists so far)
+            n = len(o.outputs[0].token_ids)
+            if n == seen.get(o.request_id, 0):
+                continue
+            if o.request_id in last:
+                itl.append(now - last[o.request_id])
+            else:
+                ttft.append(now - sent[o.request_id])
+            last[o.request_id], seen[o.request_id] = now, n
         running -= {o.request_id for o in outputs if o.finished}
     scheduler.schedule = schedule
-    return time.perf_counter() - start, step_s, shapes, predicted
+    return time.perf_counter() - start, step_s, shapes, predicted, ttft, itl
+
+
+def percentiles(seconds: list[float]) -> str:
+    """Mean, p50 and p90 of `seconds`, in ms."""
+    ms = sorted(s * 1e3 for s in seconds)
+    at = lambda q: ms[min(int(q * len(ms)), len(ms) - 1)]  # noqa: E731
+    return f"mean {sum(ms) / len(ms):.0f}, p50 {at(0.5):.0f}, p90 {at(0.9):.0f} ms"
 
 
 def main() -> None:
@@ -114,6 +136,7 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-step-ms", type=float, default=100.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--target-itl-ms", type=float, default=0.0)
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--prefault", action="store_true")
@@ -144,6 +167,7 @@ def main() -> None:
         max_model_len=4096,
         max_step_ms=args.max_step_ms,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        target_itl_ms=args.target_itl_ms,
         kv_cache_dtype=args.kv_cache_dtype,
     )
     engine, tokenizer = llm.engine, llm.get_tokenizer()
@@ -166,10 +190,12 @@ def main() -> None:
     llm.generate([list(range(100, 400))], SamplingParams(max_tokens=4))  # warm-up
     timed = time_kernels(engine) if args.kernel_times else None
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
-    wall, step_s, shapes, predicted_ms = replay(engine, prompts, params, concurrency=8)
+    wall, step_s, shapes, predicted_ms, ttft, itl = replay(engine, prompts, params, 8)
     print(
-        f"{args.precision}, --max-step-ms {args.max_step_ms:g}: {wall:.2f} s, {len(step_s)} "
-        f"steps, {sum(map(len, prompts))} prompt tokens, {12 * len(prompts)} output tokens"
+        f"{args.precision}, --max-step-ms {args.max_step_ms:g}, --target-itl-ms "
+        f"{args.target_itl_ms:g}: {wall:.2f} s, {len(step_s)} steps, "
+        f"{sum(map(len, prompts))} prompt tokens, {12 * len(prompts)} output tokens; "
+        f"TTFT {percentiles(ttft)}; ITL {percentiles(itl)}"
     )
     if args.steps:
         for seconds, shape in zip(step_s, shapes, strict=False):

@@ -112,3 +112,13 @@ def huge_pages() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"EMBER_HUGE_PAGES must be 0 or 1; got {value!r}")
     return value == "1"
+
+
+def matmul_split() -> str:
+    """How a bf16 matmul chooses between oneDNN's whole call and ember's split by rows
+    (ember.engine.matmul_split): $EMBER_MATMUL_SPLIT, "measure" (default: timed while
+    idle, per shape and row count) or "rule" (a fixed rule, the same every start)."""
+    value = os.environ.get("EMBER_MATMUL_SPLIT", "").strip() or "measure"
+    if value not in ("measure", "rule"):
+        raise ValueError(f"EMBER_MATMUL_SPLIT must be measure or rule; got {value!r}")
+    return value

@@ -22,6 +22,7 @@ from ember.config import EngineConfig
 from ember.engine.calibration import Calibrator
 from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.kv_cache import KVCacheManager
+from ember.engine.matmul_split import SplitTuner
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner, PendingStep, SlicedStep
 from ember.engine.padded_rows import PrimitiveWarmer
@@ -105,11 +106,12 @@ class EngineCore:
             enabled=config.world_size == 1 and alone
             and self.speculator is None and self.runner.device.type == "cpu",
         )  # fmt: skip
-        # then oneDNN's primitives of every rounded row count a step with decodes can have
-        # (a longer step of prompts alone makes its own: each takes as long as a step)
-        self.warmer = PrimitiveWarmer(
-            self.runner.model if config.world_size == 1 else None, config.max_num_batched_tokens
-        )
+        # before it, each bf16 matmul timed whole and split by rows (ember.engine.matmul_split);
+        # after it, oneDNN's primitives of every rounded row count a step with decodes can
+        # have (a longer step of prompts alone makes its own: each takes as long as a step)
+        model = self.runner.model if config.world_size == 1 else None
+        self.split_tuner = SplitTuner(model, config.max_step_tokens)
+        self.warmer = PrimitiveWarmer(model, config.max_num_batched_tokens)
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -321,16 +323,20 @@ class EngineCore:
 
     def has_idle_work(self) -> bool:
         """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter), then
-        the step cost model's calibration (ember.engine.calibration; not while it waits
+        timing bf16 matmuls whole and split (ember.engine.matmul_split), then the step
+        cost model's calibration (ember.engine.calibration; not while it waits
         for a busy CPU to settle), then oneDNN's primitives for a bf16 step's row counts
         (ember.engine.padded_rows)."""
-        return not self.prefaulter.done or self.calibrator.ready or not self.warmer.done
+        idle = not self.prefaulter.done or not self.split_tuner.done or self.calibrator.ready
+        return idle or not self.warmer.done
 
     def idle_work(self) -> None:
         """One slice of it (milliseconds; a calibration step, up to a 512-token prefill);
         call only when no step is due."""
         if not self.prefaulter.done:
             self.prefaulter.step()
+        elif not self.split_tuner.done:
+            self.split_tuner.step()
         elif self.calibrator.ready:
             self.calibrator.step()
         elif not self.warmer.done:

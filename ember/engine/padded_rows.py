@@ -52,7 +52,7 @@ class PrimitiveWarmer:
         distinct: dict[tuple, object] = {}
         for module in model.modules() if model is not None else ():
             if getattr(module, "bf16_prefill", False) and module.packed is not None:
-                key = (tuple(module.weight.shape), module.bias is None, module.split_rows is None)
+                key = (tuple(module.weight.shape), module.bias is None)
                 distinct.setdefault(key, module)
         self.linears = list(distinct.values())
         self._rows = (

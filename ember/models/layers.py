@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.engine.padded_rows import padded_rows
+from ember.engine.padded_rows import ROW_QUANTUM, padded_rows
 from ember.models import huge_pages
 
 
@@ -113,8 +113,12 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.small_gemm = None  # ember's kernel for 1-8 rows, when it applies
         self.bf16_prefill = False  # rows >= BF16_MIN_ROWS: bf16 x, bf16 `packed`, bf16 y
-        # ember's kernel running the bf16 packed matmul on row ranges at once (split_apply)
+        # ember's kernel running the bf16 packed matmul on row ranges at once, a thread
+        # each: where `split_by_rows` (measured on this CPU by SplitTuner; by rows //
+        # ROW_QUANTUM) says it wins; before it is measured, where split_apply does
         self.split_rows = None
+        self.split_by_rows: tuple[bool, ...] | None = None
+        self.split_default = False
         # W as GGUF blocks, uint8 [out_features, blocks per row, bytes per block]; a fused
         # W whose parts came in different formats keeps each part's blocks (`block_parts`,
         # in order along out_features) and multiplies them one by one
@@ -155,13 +159,23 @@ class Linear(nn.Module):
     def _packed_linear(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         x = padded_rows(x)  # oneDNN's primitives by row count: fewer counts, made once
-        threads = torch.get_num_threads() if self.split_rows is not None else 0
-        parts = min(threads, x.shape[0] // SPLIT_MIN_PART_ROWS)
-        if 1 < threads <= SPLIT_MAX_THREADS and parts > 1:
+        parts = self.split_parts(x.shape[0])
+        if parts > 1:
             y = self.split_rows(x, self.packed, self.bias, parts)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y if y.shape[0] == rows else y[:rows]
+
+    def split_parts(self, rows: int) -> int:
+        """The row ranges a bf16 matmul of `rows` (padded) rows runs in, a thread each; 1:
+        whole, oneDNN threading it."""
+        parts = split_ranges(rows) if self.split_rows is not None else 1
+        if parts < 2:
+            return 1
+        table = self.split_by_rows
+        if table is None:
+            return parts if self.split_default else 1
+        return parts if table[min(rows // ROW_QUANTUM, len(table) - 1)] else 1
 
     def _mixed_linear(self, x: torch.Tensor) -> torch.Tensor:
         low = x.to(self.weight.dtype)
@@ -223,8 +237,10 @@ class Linear(nn.Module):
         if not every_row:
             self.packed = self._packed_copy(kernels, packed_dtype)
         out_features, in_features = self.weight.shape
-        split = bf16_prefill and kernels is not None and split_apply(out_features, in_features)
+        split = bf16_prefill and kernels is not None and self.packed is not None
         self.split_rows = kernels.linear_split_rows if split else None
+        self.split_default = split and split_apply(out_features, in_features)
+        self.split_by_rows = None
         small = kernels is not None and kernels.small_gemm_supported(1, in_features, out_features)
         if small and not only_blocks:
             self.small_gemm = kernels.small_gemm
@@ -474,7 +490,20 @@ def _cpu_flags() -> set[str]:
 # (or one, where there is nothing to split), never more.
 SPLIT_MIN_PART_ROWS = 112
 SPLIT_MAX_THREADS = 2
+# Nor is that rule the whole story: on the same Xeon, on two threads, whole against split
+# (ms per 1,000 rows): the 960 x 576 qkv 0.68-0.91 / 0.50-0.60 at 384-1,024 rows but 0.41
+# / 0.52 from 1,280; the 576 x 576 o_proj 0.46-0.49 / 0.31-0.37 at 384-768 but 0.23 /
+# 0.29 from 1,024; down_proj 1.33-1.65 / 0.71-0.88 up to 1,280 but 0.74-0.78 / 0.79-0.82
+# from 1,536 (docs/benchmarks.md). Which wins moves with the shape, the row count and the
+# CPU, so the engine measures it (ember.engine.matmul_split) per shape and row count
 SPLIT_MAX_OUT, SPLIT_MIN_IN = 1024, 1024
+
+
+def split_ranges(rows: int) -> int:
+    """The row ranges a split matmul of `rows` rows runs in: a thread each, of
+    SPLIT_MIN_PART_ROWS rows or more; 1 (no split) off two threads."""
+    threads = torch.get_num_threads()
+    return min(threads, rows // SPLIT_MIN_PART_ROWS) if 1 < threads <= SPLIT_MAX_THREADS else 1
 
 
 def split_apply(out_features: int, in_features: int) -> bool:
