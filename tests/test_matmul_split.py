@@ -41,7 +41,7 @@ def scripted(split_wins, ratio=0.5):
     def measure(linears, rows, parts):
         assert parts == 2 and len(linears) >= 1
         timed.append(rows)
-        return (1.0, ratio) if split_wins(rows) else (1.0, 1 / ratio)
+        return (1.0, ratio, 1.0) if split_wins(rows) else (1.0, 1 / ratio, 1.0)
 
     return measure, timed
 
@@ -66,6 +66,7 @@ def test_the_tuner_finds_where_the_winner_changes_to_a_row_quantum(two_threads):
     assert len(set(timed)) == len(timed)  # no row count timed twice
     table = model[0].split_by_rows
     assert all(linear.split_by_rows is table for linear in model[1:])
+    assert tuner.backoff.num_contended == 0
     assert len(table) == 2048 // ROW_QUANTUM + 1
     for index, split in enumerate(table):
         assert split == (752 <= index * ROW_QUANTUM < 1072), index * ROW_QUANTUM
@@ -146,3 +147,24 @@ def test_an_idle_bf16_engine_times_its_matmuls_and_still_computes_them(
                 y = linear(x)
             expected = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float())
             torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
+
+
+def test_a_timing_taken_while_another_process_had_the_cpu_is_taken_again_later(two_threads):
+    """A timing whose threads had too little of their CPU time is not kept: the tuner is
+    not `ready` until the backoff's wait is over, then times the same rows again."""
+    shares = [0.5, 1.0]  # the first timing shared the CPU
+
+    def measure(linears, rows, parts):
+        return 1.0, 0.5, shares.pop(0) if shares else 1.0
+
+    tuner = SplitTuner(fake_linears(1), 512, measure)
+    tuner.step()
+    assert (
+        tuner.backoff.num_contended == 1
+        and not tuner.ready
+        and not tuner.timings[next(iter(tuner.shapes))]
+    )
+    tuner.backoff._resume_at = 0.0  # the wait over
+    assert tuner.ready
+    tuner.step()
+    assert [rows for rows, *_ in next(iter(tuner.timings.values()))] == [224]

@@ -83,6 +83,40 @@ MIN_JUDGED_MS = 10.0
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 30.0, 30.0)  # two minutes in all
 
 
+class ContentionBackoff:
+    """For idle work that times the CPU (the calibration's steps, ember.engine.matmul_split's
+    matmuls): whether a timing was another process's as much as this machine's (its
+    threads had under CONTENDED_SHARE of their CPU time), and then when to try again
+    (BACKOFF_S, jittered: engines started together drift apart); once the waits are spent
+    the box is taken as busy and its timings kept as they come."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # for the log
+        self.num_contended = 0  # timings taken again because the CPU was shared
+        self._resume_at = 0.0  # time.monotonic() before which none is taken
+        self._jitter = random.Random()  # its own: the process's random state is left alone
+
+    @property
+    def ready(self) -> bool:
+        return time.monotonic() >= self._resume_at
+
+    def contended(self, measured_ms: float, share: float) -> bool:
+        """Whether a timing of `measured_ms` whose threads had `share` of their CPU time
+        is to be taken again (after the next wait)."""
+        if share >= CONTENDED_SHARE or measured_ms < MIN_JUDGED_MS:
+            return False
+        if self.num_contended >= len(BACKOFF_S):
+            return False  # a busy box: its timings are what serving will see
+        wait = BACKOFF_S[self.num_contended] * (1.0 + self._jitter.random() / 2)
+        self.num_contended += 1
+        self._resume_at = time.monotonic() + wait
+        logger.debug(
+            "%s of %.1f ms had %.0f%% of its threads' CPU time: again in %.1f s",
+            self.what, measured_ms, 100 * share, wait,
+        )  # fmt: skip
+        return True
+
+
 @dataclass(frozen=True)
 class Step:
     """One scripted step: prompt chunks (request index, tokens) and decodes (indexes)."""
@@ -148,9 +182,7 @@ class Calibrator:
         ]
         self._requests[3].num_computed_tokens = self.long_context  # not computed: the top
         self.num_observed = 0
-        self.num_contended = 0  # steps run again because the CPU was shared
-        self._resume_at = 0.0  # time.monotonic() before which no step runs (a backoff)
-        self._jitter = random.Random()  # its own: the process's random state is left alone
+        self.backoff = ContentionBackoff("calibration step")
 
     @property
     def done(self) -> bool:
@@ -159,7 +191,12 @@ class Calibrator:
     @property
     def ready(self) -> bool:
         """A step is left and may run now (not waiting out a busy CPU)."""
-        return bool(self._left) and time.monotonic() >= self._resume_at
+        return bool(self._left) and self.backoff.ready
+
+    @property
+    def num_contended(self) -> int:
+        """Steps run again because the CPU was shared."""
+        return self.backoff.num_contended
 
     def drop(self) -> None:
         """Gives up what is left (a request arrived) and gives the blocks back."""
@@ -191,7 +228,7 @@ class Calibrator:
             logger.warning("step cost calibration failed; dropped", exc_info=True)
             self._end()
             return
-        if script.observe and self._contended(measured_ms, share):
+        if script.observe and self.backoff.contended(measured_ms, share):
             self._left.appendleft(script)  # again later: the requests have not moved on
             return
         shape = out.shape()  # before the requests move on
@@ -209,23 +246,6 @@ class Calibrator:
                 "step cost calibrated on %d steps: %s", self.num_observed,
                 self.cost_model.coefficients.round(3).tolist(),
             )  # fmt: skip
-
-    def _contended(self, measured_ms: float, share: float) -> bool:
-        """Whether a step's time was another process's as much as this machine's, with a
-        rerun left for it (then the next waits out the backoff)."""
-        if share >= CONTENDED_SHARE or measured_ms < MIN_JUDGED_MS:
-            return False
-        if self.num_contended >= len(BACKOFF_S):
-            return False  # a busy box: its steps are what serving will see
-        # jittered: engines started together (whose steps share the CPU) drift apart
-        wait = BACKOFF_S[self.num_contended] * (1.0 + self._jitter.random() / 2)
-        self.num_contended += 1
-        self._resume_at = time.monotonic() + wait
-        logger.debug(
-            "calibration step of %.1f ms had %.0f%% of its threads' CPU time: again in %.1f s",
-            measured_ms, 100 * share, wait,
-        )  # fmt: skip
-        return True
 
     def _schedule(self, script: Step) -> SchedulerOutput | None:
         """The step's rows with their blocks (None: the pool has none to spare)."""

@@ -324,10 +324,10 @@ class EngineCore:
     def has_idle_work(self) -> bool:
         """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter), then
         timing bf16 matmuls whole and split (ember.engine.matmul_split), then the step
-        cost model's calibration (ember.engine.calibration; not while it waits
+        cost model's calibration (neither while it waits for a busy CPU to settle) (ember.engine.calibration; not while it waits
         for a busy CPU to settle), then oneDNN's primitives for a bf16 step's row counts
         (ember.engine.padded_rows)."""
-        idle = not self.prefaulter.done or not self.split_tuner.done or self.calibrator.ready
+        idle = not self.prefaulter.done or self.split_tuner.ready or self.calibrator.ready
         return idle or not self.warmer.done
 
     def idle_work(self) -> None:
@@ -335,7 +335,7 @@ class EngineCore:
         call only when no step is due."""
         if not self.prefaulter.done:
             self.prefaulter.step()
-        elif not self.split_tuner.done:
+        elif self.split_tuner.ready:
             self.split_tuner.step()
         elif self.calibrator.ready:
             self.calibrator.step()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ember import envs
+from ember.engine.calibration import ContentionBackoff
 from ember.engine.padded_rows import ROW_QUANTUM, rounded
 from ember.models.layers import SPLIT_MAX_THREADS, SPLIT_MIN_PART_ROWS, Linear, split_ranges
 
@@ -36,14 +37,15 @@ COPIES = 6  # distinct weights of a shape timed in turn (a step reads each layer
 ROUNDS = 2  # alternating whole and split; the best round of each counts
 SAMPLE_ROWS = 128  # the row counts timed first, this many apart
 
-# (the shape's linears, rows, parts) -> (seconds whole, seconds split) per weight
-Measure = Callable[[list[Linear], int, int], tuple[float, float]]
+# (the shape's linears, rows, parts) -> (seconds whole, seconds split) per weight, and
+# the share of their CPU time the threads had (ContentionBackoff)
+Measure = Callable[[list[Linear], int, int], tuple[float, float, float]]
 
 
-def time_both(linears: list[Linear], rows: int, parts: int) -> tuple[float, float]:
+def time_both(linears: list[Linear], rows: int, parts: int) -> tuple[float, float, float]:
     """Seconds per call of a shape's matmul at `rows` rows, whole and split in `parts`:
     the best of ROUNDS rounds over up to COPIES of its weights, after a call of each that
-    makes oneDNN's primitives."""
+    makes oneDNN's primitives; and the threads' share of CPU time over the rounds."""
     weights = [linear.packed for linear in linears[:COPIES]]
     first = linears[0]
     x = torch.randn(rows, first.weight.shape[1]).bfloat16()
@@ -61,17 +63,21 @@ def time_both(linears: list[Linear], rows: int, parts: int) -> tuple[float, floa
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
         whole(), split()
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(ROUNDS):
             for i, run in enumerate((whole, split)):
                 start = time.perf_counter()
                 run()
                 best[i] = min(best[i], (time.perf_counter() - start) / len(weights))
-    return best[0], best[1]
+        wall = time.perf_counter() - wall
+    share = (time.process_time() - cpu) / (wall * torch.get_num_threads())
+    return best[0], best[1], share
 
 
 class SplitTuner:
-    """Idle work: one row count of one shape timed a `step()`; `done` once each shape's
-    linears have their table. Nothing to do off two threads (`SPLIT_MAX_THREADS`: with
+    """Idle work: one row count of one shape timed a `step()` (`ready`: not while waiting
+    out another process's use of the CPU, as the calibration does); `done` once each
+    shape's linears have their table. Nothing to do off two threads (`SPLIT_MAX_THREADS`: with
     more, oneDNN threads every shape and the split never runs), without bf16 matmuls
     that can split, or with $EMBER_MATMUL_SPLIT=rule."""
 
@@ -91,10 +97,16 @@ class SplitTuner:
         self.timings: dict[tuple, list[tuple[int, float, float]]] = {key: [] for key in shapes}
         self._plan = self._tune_all()
         self._done = not shapes or self.max_rows < 2 * SPLIT_MIN_PART_ROWS
+        self.backoff = ContentionBackoff("matmul timing")
 
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def ready(self) -> bool:
+        """A timing is left and may run now (not waiting out a busy CPU)."""
+        return not self._done and self.backoff.ready
 
     def step(self) -> None:
         if not self._done:
@@ -111,14 +123,17 @@ class SplitTuner:
         default = linears[0].split_default
         wins: dict[int, bool] = {}  # rows -> whether the split wins there
 
-        def timed(rows: int) -> bool:
-            whole_s, split_s = self.measure(linears, rows, split_ranges(rows))
+        def timed(rows: int) -> Iterator[None]:
+            while True:  # again, while another process had the CPU
+                whole_s, split_s, share = self.measure(linears, rows, split_ranges(rows))
+                if not self.backoff.contended((whole_s + split_s) * COPIES * 1e3, share):
+                    break
+                yield
             self.timings[key].append((rows, whole_s, split_s))
             if default:  # the rule splits here: whole only if clearly faster
                 wins[rows] = not whole_s < split_s * (1 - MARGIN)
             else:
                 wins[rows] = split_s < whole_s * (1 - MARGIN)
-            return wins[rows]
 
         first = rounded(2 * SPLIT_MIN_PART_ROWS)  # the fewest rows that split in two
         samples = sorted(
@@ -126,12 +141,13 @@ class SplitTuner:
         )
         samples = [rows for rows in samples if first <= rows <= self.max_rows]
         for rows in samples:
-            timed(rows)
+            yield from timed(rows)
             yield
         for low, high in zip(samples, samples[1:], strict=False):
             while wins[low] != wins[high] and high - low > ROW_QUANTUM:
                 middle = low + (high - low) // (2 * ROW_QUANTUM) * ROW_QUANTUM
-                if timed(middle) == wins[low]:
+                yield from timed(middle)
+                if wins[middle] == wins[low]:
                     low = middle
                 else:
                     high = middle
