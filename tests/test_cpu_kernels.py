@@ -236,6 +236,23 @@ def test_tiled_int8_gemm_is_exact_on_int8_rounded_activations(name, rows, kernel
         assert torch.equal(kernels.tiled_gemm_int8(x, tiles, b, allow_vnni=False), y)
 
 
+@pytest.mark.parametrize("size", [18, 20, 22, 24, 34])
+def test_tiles_from_the_kernels_are_the_bytes_torch_regroups(size, kernels):
+    """tile_blocks_into (one pass, in C++) gives the tiles torch's permuted copies make,
+    every byte value in every field (the fifth bits' words too), for several tiles and
+    block columns; shapes it cannot tile are refused by name."""
+    from ember.models.layers import tile_blocks, tile_blocks_torch
+
+    generator = torch.Generator().manual_seed(size)
+    blocks = torch.randint(0, 256, (48, 7, size), dtype=torch.uint8, generator=generator)
+    tiles = tile_blocks(blocks, kernels)
+    assert torch.equal(tiles, tile_blocks_torch(blocks))
+    with pytest.raises(RuntimeError, match="20 features, not a multiple of 16"):
+        tile_blocks(blocks[:20], kernels)
+    with pytest.raises(RuntimeError, match="19-byte blocks"):
+        tile_blocks(torch.zeros(16, 2, 19, dtype=torch.uint8), kernels)
+
+
 def test_tiled_int8_gemm_gives_the_same_bits_on_every_build():
     """The same integer sums and the same float operations per lane on every build."""
     from ember.models.layers import tile_blocks
