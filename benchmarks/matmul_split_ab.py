@@ -2,8 +2,8 @@
 
     EMBER_MATMUL_SPLIT=measure python benchmarks/matmul_split_ab.py   # (then =rule)
 
-The default model in bf16 (prefix caching off, steps of up to 2,048 tokens), its idle
-work done first (KV pages, the matmul timings of ember.engine.matmul_split unless
+The default model in bf16 (benchmarks/mixed_steps.py's, with steps of up to 2,048 tokens),
+its idle work done first (KV pages, the matmul timings of ember.engine.matmul_split unless
 $EMBER_MATMUL_SPLIT=rule, calibration, oneDNN's primitives); then prompts of each
 `--lengths` alone, one new token, medians of `--repeats` (ms); and with `--per-call N`,
 each packed matmul's time a call over that many further N-token prefills, by shape, with
@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from ember import LLM, SamplingParams, envs
+from ember import SamplingParams, envs
 from ember.engine.padded_rows import padded_rows
 from ember.models.layers import Linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mixed_steps import settled_llm  # noqa: E402
 
 
 def main() -> None:
@@ -30,29 +34,12 @@ def main() -> None:
     p.add_argument("--per-call", type=int, default=0)
     p.add_argument("--force", choices=["split", "whole"], default=None)
     args = p.parse_args()
-    llm = LLM(
-        None,
-        matmul_precision="bf16",
-        kv_cache_memory=1 << 30,
-        max_model_len=4096,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=2048,
-    )
-    core = llm.engine.core
-    while core.has_idle_work():
-        core.idle_work()
-    linears = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
+    llm, prompt = settled_llm(max_num_batched_tokens=2048)
     if args.force:
-        for m in linears:
-            if m.split_by_rows is not None:
+        for m in llm.engine.core.runner.model.modules():
+            if isinstance(m, Linear) and m.split_by_rows is not None:
                 m.split_by_rows = (args.force == "split",) * len(m.split_by_rows)
-    rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randint(1000, 40000) for _ in range(n)]
-
-    llm.generate([prompt(300)], one)
     cells = []
     for n in map(int, args.lengths.split(",")):
         times = []

@@ -26,17 +26,17 @@ import ember.models.layers as layers
 from ember import LLM, SamplingParams
 
 
-def settled_llm() -> tuple[LLM, Callable[[int], list[int]]]:
-    """The default model in bf16 (no step budget, no prefix cache), its idle work done,
-    and a maker of random prompts of n tokens."""
-    llm = LLM(
-        None,
+def settled_llm(**overrides) -> tuple[LLM, Callable[[int], list[int]]]:
+    """The default model in bf16 (no step budget, no prefix cache; `overrides`: other
+    engine options), its idle work done, and a maker of random prompts of n tokens."""
+    options = dict(
         matmul_precision="bf16",
         kv_cache_memory=1 << 30,
         max_model_len=4096,
         enable_prefix_caching=False,
         max_step_ms=0,
     )
+    llm = LLM(None, **(options | overrides))
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:

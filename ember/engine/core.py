@@ -324,8 +324,8 @@ class EngineCore:
     def has_idle_work(self) -> bool:
         """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter), then
         timing bf16 matmuls whole and split (ember.engine.matmul_split), then the step
-        cost model's calibration (neither while it waits for a busy CPU to settle) (ember.engine.calibration; not while it waits
-        for a busy CPU to settle), then oneDNN's primitives for a bf16 step's row counts
+        cost model's calibration (ember.engine.calibration; neither while it waits for a
+        busy CPU to settle), then oneDNN's primitives for a bf16 step's row counts
         (ember.engine.padded_rows)."""
         idle = not self.prefaulter.done or self.split_tuner.ready or self.calibrator.ready
         return idle or not self.warmer.done
