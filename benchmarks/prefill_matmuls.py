@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ember.engine.kernels import cpu_kernels
-from ember.models.layers import tile_blocks
+from ember.models.tiles import tile_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kquant_gemm import random_blocks  # noqa: E402  (random codes, small fp16 scales)

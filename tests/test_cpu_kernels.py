@@ -219,7 +219,7 @@ def test_tiled_int8_gemm_is_exact_on_int8_rounded_activations(name, rows, kernel
     """Blocks in tiles of 16 features (the same bytes regrouped; Q5's fifth bits regrouped
     within their words) give the int8 product as the blocks do, each row the same bits alone as among others, and (where the CPU has
     AVX512-VNNI) the same bits with and without its instruction."""
-    from ember.models.layers import tile_blocks
+    from ember.models.tiles import tile_blocks
 
     blocks, w, x, b = int8_case(name, rows, 960, 576, seed=200 + rows)
     tiles = tile_blocks(blocks)
@@ -241,7 +241,7 @@ def test_tiles_from_the_kernels_are_the_bytes_torch_regroups(size, kernels):
     """tile_blocks_into (one pass, in C++) gives the tiles torch's permuted copies make,
     every byte value in every field (the fifth bits' words too), for several tiles and
     block columns; shapes it cannot tile are refused by name."""
-    from ember.models.layers import tile_blocks, tile_blocks_torch
+    from ember.models.tiles import tile_blocks, tile_blocks_torch
 
     generator = torch.Generator().manual_seed(size)
     blocks = torch.randint(0, 256, (48, 7, size), dtype=torch.uint8, generator=generator)
@@ -255,7 +255,7 @@ def test_tiles_from_the_kernels_are_the_bytes_torch_regroups(size, kernels):
 
 def test_tiled_int8_gemm_gives_the_same_bits_on_every_build():
     """The same integer sums and the same float operations per lane on every build."""
-    from ember.models.layers import tile_blocks
+    from ember.models.tiles import tile_blocks
 
     builds = [cpu_kernels(isa) for isa in supported_isas()]
     if any(build is None for build in builds):

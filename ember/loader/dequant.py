@@ -56,7 +56,7 @@ BLOCK_FORMATS = frozenset({
     _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0,  # 32 weights per block
     _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,  # 256 weights per super-block
 })  # fmt: skip
-# the 32-weight formats, which the int8 tiles take (ember.models.layers.tile_blocks)
+# the 32-weight formats, which the int8 tiles take (ember.models.tiles.tile_blocks)
 TILED_FORMATS = frozenset({_QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0})
 
 

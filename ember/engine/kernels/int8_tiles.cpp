@@ -7,7 +7,7 @@
 // about as much as the weights' decoding, so it paid for one row only on these formats.
 // The idea is llama.cpp's row-interleaved ("repacked") blocks; the layout is ember's.
 //
-// Tiles (`ember.models.layers.tile_blocks` makes them from [n, blocks, bytes] blocks):
+// Tiles (`ember.models.tiles.tile_blocks` makes them from [n, blocks, bytes] blocks):
 // uint8 [n / 16, blocks per row, 16, bytes per block], each [16, bytes] the 16 features'
 // blocks at one block column, the same bytes regrouped:
 //   the 16 fp16 d (32 bytes); Q4_1 / Q5_1: then the 16 fp16 m (32 bytes);
