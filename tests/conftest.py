@@ -184,6 +184,17 @@ def tiny_checkpoint(tmp_path_factory):
 HAS_CUDA = torch.cuda.is_available()  # read before the fixture below hides the GPU
 
 
+@pytest.fixture(autouse=True)
+def timings_are_never_contended(monkeypatch):
+    """In this process no idle-work timing is judged contended: the suite's own threads and
+    child processes share the CPU, and a backoff would end an engine's idle work before
+    a test's loop sees it done (the tests of the backoff fake the CPU times and lower
+    MIN_JUDGED_MS themselves)."""
+    from ember.engine import calibration
+
+    monkeypatch.setattr(calibration, "MIN_JUDGED_MS", float("inf"))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def auto_device_is_cpu():
     """`device="auto"` means CPU in tests, also where CUDA is present: the tests not marked

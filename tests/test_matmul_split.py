@@ -10,6 +10,7 @@ from test_models import SMALL_KV
 from torch import nn
 
 from ember import LLM, envs
+from ember.engine import calibration
 from ember.engine.kernels import cpu_kernels
 from ember.engine.matmul_split import MARGIN, SplitTuner
 from ember.engine.padded_rows import ROW_QUANTUM
@@ -149,9 +150,12 @@ def test_an_idle_bf16_engine_times_its_matmuls_and_still_computes_them(
             torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
 
 
-def test_a_timing_taken_while_another_process_had_the_cpu_is_taken_again_later(two_threads):
+def test_a_timing_taken_while_another_process_had_the_cpu_is_taken_again_later(
+    two_threads, monkeypatch
+):
     """A timing whose threads had too little of their CPU time is not kept: the tuner is
     not `ready` until the backoff's wait is over, then times the same rows again."""
+    monkeypatch.setattr(calibration, "MIN_JUDGED_MS", 10.0)  # as served (conftest: never)
     shares = [0.5, 1.0]  # the first timing shared the CPU
 
     def measure(linears, rows, parts):

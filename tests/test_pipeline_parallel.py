@@ -159,6 +159,42 @@ def test_a_dead_stage_fails_the_engine_cleanly(tiny_checkpoint) -> None:
     llm.close()
 
 
+def test_a_transfer_gloo_refuses_at_once_fails_the_engine_cleanly(monkeypatch) -> None:
+    """Gloo can raise from isend itself, not from the wait, when the next stage is already
+    gone (seen on a CI machine): that too is the executor's failed call, not a RuntimeError
+    leaving the ranks and the process group behind."""
+    import torch
+
+    from ember.distributed import executor as executor_module
+
+    class Stage:
+        size = 2
+
+        def send(self, tensor, stage):
+            raise RuntimeError("Read error [127.0.0.1]:12936: Connection reset by peer")
+
+        def irecv(self, out, stage):
+            raise AssertionError("not reached")
+
+    class Executor:
+        failed = []
+
+        def send(self, message) -> None:
+            pass
+
+        def failed_call(self, what, exc) -> RankFailedError:
+            self.failed.append((what, str(exc)))
+            return RankFailedError("rank 1 of 2 exited (code -9)")
+
+    monkeypatch.setattr(executor_module, "encode_forward", lambda *args: None)
+    executor = Executor()
+    model = executor_module.LeaderModel(lambda *args: torch.zeros(3, 8), executor, Stage())
+    with pytest.raises(RankFailedError, match="rank 1 of 2 exited"):
+        model(None, None, None, None)
+    assert executor.failed == [("pipeline transfer", "Read error [127.0.0.1]:12936: "
+                                "Connection reset by peer")]  # fmt: skip
+
+
 def test_what_a_pipeline_cannot_do_is_refused() -> None:
     """Drafts need each step's tokens before the next; a rank count of 0 is no size."""
     for options, named in [

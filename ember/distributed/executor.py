@@ -548,9 +548,13 @@ class LeaderModel:
                            positions, kv_caches, meta)  # fmt: skip
         if self.stage.size == 1:
             return hidden
-        sent = self.stage.send(hidden, 1)
         out = torch.empty_like(hidden)
-        return PendingHidden(sent, out, self.stage.irecv(out, self.stage.size - 1), self.executor)
+        try:  # Gloo can refuse to post a transfer at once, to a peer already gone
+            sent = self.stage.send(hidden, 1)
+            received = self.stage.irecv(out, self.stage.size - 1)
+        except RuntimeError as exc:
+            raise self.executor.failed_call("pipeline transfer", exc) from exc
+        return PendingHidden(sent, out, received, self.executor)
 
     def forward_ranks(self, inputs: list[tuple], kv_caches) -> torch.Tensor:
         """Data-parallel attention: rank r runs inputs[r] (input ids, positions, metadata),
