@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,11 +33,16 @@ def child_pids(pid: int) -> list[int]:
 
 def free_port_run(count: int = 8) -> int:
     """The first of `count` consecutive ports that are all free now (`ember up` puts
-    worker i on --worker-port + i; a busy client can hold any ephemeral port)."""
+    worker i on --worker-port + i). Drawn below the kernel's ephemeral range: a port
+    from it, free when looked at, was once taken by another process's connection or
+    bind(0) in the seconds before a worker bound it (Errno 98 on a CI machine)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    draw = random.Random()
     for _ in range(100):
-        first = free_port()
-        if first + count > 65536:
-            continue
+        first = draw.randrange(10_000, max(10_001, ephemeral - count))
         try:
             for port in range(first, first + count):
                 with socket.socket() as sock:
