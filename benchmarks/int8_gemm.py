@@ -1,6 +1,8 @@
 """The block GEMM with int8 activations against the exact one (fp32 activations), on the
 same GGUF blocks: SmolLM2's shapes, random codes with small fp16 scales, 1 to 8 rows.
-Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks also in tiles of 16 features (`tile_blocks`: int8_tiles.cpp).
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks also in tiles of 16 features (`tile_blocks`: int8_tiles.cpp),
+and where the tiles' sums use VNNI (AVX512-VNNI, or AVX-VNNI in the AVX2 build) also
+without it (maddubs + madd: "no VNNI").
 
 The two alternate call by call, `--repeats` rounds; the minimum per call is printed with
 the bytes of W read per second. With several copies of W (`--copies`, 30 by default: one
@@ -41,9 +43,11 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("ember's CPU kernels could not be built here")
     torch.set_num_threads(args.threads)
-    print(f"{kernels.isa} build, {args.threads} threads, {args.copies} copies of W")
+    vnni = kernels.tiles_vnni_name()
+    print(f"{kernels.isa} build (tiles on VNNI: {vnni or 'none'}), {args.threads} threads,"
+          f" {args.copies} copies of W")  # fmt: skip
     print("format shape        rows   fp32 us  int8 us  tiles us  fp32 GB/s  int8 GB/s"
-          "  tiles GB/s  int8 / tiles speed-up")  # fmt: skip
+          "  tiles GB/s  int8 / tiles speed-up" + ("  no VNNI us" if vnni else ""))  # fmt: skip
     for name in args.formats.split(","):
         for shape in args.shapes.split(","):
             out_features, in_features = map(int, shape.split("x"))
@@ -61,7 +65,9 @@ def main() -> None:
                 ]
                 if tiled:
                     kinds.append(("tiles", kernels.block_gemm_int8, tiled))
-                best = dict.fromkeys(["fp32", "int8", "tiles"], float("nan"))
+                if tiled and vnni:
+                    kinds.append(("no VNNI", _without_vnni(kernels), tiled))
+                best = dict.fromkeys(["fp32", "int8", "tiles", "no VNNI"], float("nan"))
                 for _ in range(args.repeats):
                     for kind, gemm, weights in kinds:
                         for w in weights:
@@ -74,7 +80,15 @@ def main() -> None:
                 fp32, int8, tiles = best["fp32"], best["int8"], best["tiles"]
                 print(f"{name:6} {shape:12} {rows:4} {fp32 * 1e6:9.1f} {int8 * 1e6:8.1f}"
                       f" {tiles * 1e6:9.1f} {nbytes / fp32 / 1e9:10.1f} {nbytes / int8 / 1e9:10.1f}"
-                      f" {nbytes / tiles / 1e9:11.1f} {fp32 / int8:6.2f} {fp32 / tiles:6.2f}")  # fmt: skip
+                      f" {nbytes / tiles / 1e9:11.1f} {fp32 / int8:6.2f} {fp32 / tiles:6.2f}"
+                      + (f" {best['no VNNI'] * 1e6:11.1f}" if vnni else ""))  # fmt: skip
+
+
+def _without_vnni(kernels):
+    def gemm(x, tiles, bias):
+        return kernels.tiled_gemm_int8(x, tiles, bias, allow_vnni=False)
+
+    return gemm
 
 
 if __name__ == "__main__":

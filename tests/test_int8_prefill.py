@@ -16,7 +16,7 @@ from test_models import prefill_logits
 from conftest import simulate_cpu
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
-from ember.engine.kernels import cpu_kernels
+from ember.engine.kernels import cpu_kernels, supported_isas
 from ember.models.layers import BLOCK_GEMM_MAX_ROWS, EVERY_ROW, Linear, tiled
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ toolchain to build kernels")
@@ -186,7 +186,8 @@ def test_int8_is_refused_beside_fp32_decode_and_keys_its_own_kv(files, monkeypat
 
 def test_cpu_probes_agree_with_cpuinfo():
     """bf16 outruns fp32 on AMX, and on AMD's AVX-512 BF16; the tiles outrun fp32 where
-    their sums use AVX512-VNNI (the AVX-512 build on such a CPU)."""
+    their sums use VNNI (AVX512-VNNI in the AVX-512 build, AVX-VNNI in the AVX2 one, on a
+    CPU with it)."""
     from ember.models.layers import cpu_bf16_outruns_fp32, cpu_int8_outruns_fp32
 
     try:
@@ -196,7 +197,12 @@ def test_cpu_probes_agree_with_cpuinfo():
     flags = set(text.split())
     amd_bf16 = "AuthenticAMD" in flags and "avx512_bf16" in flags
     assert cpu_bf16_outruns_fp32() == ("amx_bf16" in flags or amd_bf16)
-    kernels = cpu_kernels()
-    vnni = kernels.isa == "avx512" and "avx512_vnni" in flags
-    assert cpu_int8_outruns_fp32(kernels) == vnni
+    for build in [cpu_kernels(isa) for isa in supported_isas()]:
+        if build is None:
+            continue
+        # the AVX-512 build sums on AVX512-VNNI, the AVX2 one on AVX-VNNI, where present
+        vnni = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}.get(build.isa)
+        expected = "" if vnni is None or vnni not in flags else vnni.replace("_", "")
+        assert build.tiles_vnni_name() == expected, build.isa
+        assert cpu_int8_outruns_fp32(build) == bool(expected)
     assert not cpu_int8_outruns_fp32(None)

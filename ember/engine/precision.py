@@ -57,10 +57,11 @@ def prefill_precision(config: EngineConfig, tiled_share: float = 0.0) -> str:
 def _auto(config: EngineConfig, tiled_share: float) -> tuple[str, str]:
     """matmul_precision auto, by what was measured on each kind of CPU
     (docs/benchmarks.md): bf16 on AMX (3.8-4.1x less prefill time than fp32); else int8
-    where the tiles' sums run on AVX512-VNNI (an AMD EPYC: the tiles 1.1-2.3x oneDNN's
-    bf16 at 16-512 rows, the conversation trace served 1.15-1.4x faster than in bf16,
-    its chunks still attending in bf16; an Intel Xeon whose AMX is not offered: oneDNN's
-    bf16 1.7x slower than its fp32, the tiles 1.6-2.3x faster), for a checkpoint whose
+    where the tiles' sums run on VNNI (AVX512-VNNI, or AVX-VNNI in the AVX2 build; an AMD
+    EPYC: the tiles 1.1-2.3x oneDNN's bf16 at 16-512 rows, the conversation trace served
+    1.15-1.4x faster than in bf16, its chunks still attending in bf16; an Intel Xeon whose
+    AMX is not offered: oneDNN's bf16 1.7x slower than its fp32, the tiles 1.6-2.3x
+    faster), for a checkpoint whose
     matrices are mostly in such blocks (int8 leaves the others in fp32); else bf16 where
     it outruns fp32 (AVX-512 BF16 on AMD, 2x); else exact fp32. Decode activations asked
     in fp32 rule int8 out."""
@@ -71,7 +72,8 @@ def _auto(config: EngineConfig, tiled_share: float) -> tuple[str, str]:
         attention = "bf16" if bf16_chunk_attention("int8") else "fp32"
         return "int8", (
             "steps of 16+ tokens multiply GGUF blocks that tile on int8 activations "
-            f"(AVX512-VNNI), other matmuls in fp32, prompts attending in {attention}"
+            f"({cpu_kernels().tiles_vnni_name()}), other matmuls in fp32, prompts attending "
+            f"in {attention}"
         )
     if cpu_bf16_outruns_fp32():
         return "bf16", "steps of 16+ tokens run in bf16 (AVX-512 BF16 on AMD)"

@@ -486,8 +486,8 @@ def cpu_bf16_outruns_fp32() -> bool:
 
 def cpu_int8_outruns_fp32(kernels) -> bool:
     """Whether the int8 tiles' GEMM outruns oneDNN's fp32 one at prefill sizes: where its
-    sums run on AVX512-VNNI (1.6-2.3x at 128-512 rows on an Intel Xeon; on AVX2's maddubs
-    it was 0.8-1.1x, docs/benchmarks.md)."""
+    sums run on VNNI (AVX512-VNNI: 1.6-2.3x at 128-512 rows on an Intel Xeon; AVX-VNNI in
+    the AVX2 build; on AVX2's maddubs it was 0.8-1.1x, docs/benchmarks.md)."""
     return kernels is not None and kernels.tiles_use_vnni()
 
 

@@ -90,18 +90,34 @@ constexpr int kPass = 8;
 #include "int8_tiles.inc"
 #undef TILE_ROWS
 
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)  // GCC's target pragma
+// The VNNI variant: the same sums on vpdpbusd where the CPU has it, picked at run time
+// (the builds target x86-64-v4 / v3, which include neither VNNI): AVX512-VNNI in the
+// AVX-512 build; AVX-VNNI (its VEX-encoded 256-bit form: Intel's cores from Alder Lake
+// and Sapphire Rapids on, AMD's from Zen 5) in the AVX2 one.
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__)  // GCC's target pragma
 #pragma GCC push_options
+#if defined(__AVX512F__)
 #pragma GCC target("avx512vnni")
+#define TILE_DPBUSD _mm512_dpbusd_epi32
+#define TILES_VNNI_FEATURE "avx512vnni"
+#else
+#pragma GCC target("avxvnni")
+#define TILE_DPBUSD _mm256_dpbusd_avx_epi32
+#define TILES_VNNI_FEATURE "avxvnni"
+#endif
 #define TILES_VNNI
 #define TILE_ROWS tile_rows_vnni
 #include "int8_tiles.inc"
 #undef TILE_ROWS
 #undef TILES_VNNI
+#undef TILE_DPBUSD
 #pragma GCC pop_options
-const bool kHasVnni = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));
+const bool kHasVnni = (__builtin_cpu_init(), __builtin_cpu_supports(TILES_VNNI_FEATURE));
+const char* const kVnniName = TILES_VNNI_FEATURE;
+#undef TILES_VNNI_FEATURE
 #else
 constexpr bool kHasVnni = false;
+const char* const kVnniName = "";
 template <typename F, int M>
 void tile_rows_vnni(const Rows& x, const uint8_t* tile, int64_t blocks, float* y, int64_t n_dim) {
   tile_rows<F, M>(x, tile, blocks, y, n_dim);  // never called: no VNNI in this build
@@ -153,8 +169,8 @@ bool tiled_format(int64_t block_bytes) {
 }
 
 // x W^T (+ b), W as tiles [n / 16, blocks per row, 16, bytes per block] (see the top)
-// allow_vnni: false keeps to maddubs + madd where the CPU has AVX512-VNNI (the tests hold
-// the two to the same bits)
+// allow_vnni: false keeps to maddubs + madd where the CPU has VNNI (the tests hold the two
+// to the same bits)
 torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
                               const c10::optional<torch::Tensor>& bias, bool allow_vnni) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(0) >= 1,
@@ -230,7 +246,9 @@ void register_int8_tiles(pybind11::module& m) {
         "x W^T (+ b) on int8 activations, W as Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks in tiles of 16 features",
         pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("bias"),
         pybind11::arg("allow_vnni") = true);
-  m.def("tiles_use_vnni", [] { return kHasVnni; }, "whether the tiles' sums use AVX512-VNNI here");
+  m.def("tiles_use_vnni", [] { return kHasVnni; }, "whether the tiles' sums use VNNI here");
+  m.def("tiles_vnni_name", [] { return std::string(kHasVnni ? kVnniName : ""); },
+        "the VNNI the tiles' sums use here (avx512vnni, avxvnni), or \"\"");
   m.def("tiled_format", &tiled_format, "whether blocks of this many bytes can be tiled");
   m.def("tile_blocks_into", &tile_blocks_into,
         "GGUF blocks [n, blocks, bytes] regrouped into tiles [n / 16, blocks, 16, bytes]",
