@@ -293,8 +293,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "bf16 activations, on AMX / AVX-512 BF16: 1.6-4x faster prefill; refused on CPUs "
         "without them; smaller decode batches stay fp32), int8 (a GGUF file's blocks that "
         "tile multiply every row on int8 activations, as decode does) or auto (the default, "
-        "or $EMBER_MATMUL_PRECISION: bf16 on AMX, else int8 where the tiles sum on VNNI "
-        "(AVX512-VNNI, or AVX-VNNI in the AVX2 build) for a file mostly in such blocks, "
+        "or $EMBER_MATMUL_PRECISION: bf16 on AMX, else int8 where the tiles sum on AVX512-VNNI "
+        "for a file mostly in such blocks, "
         "else bf16 on AMD's AVX-512 BF16, else ieee prefill)",
     )
     parser.add_argument(

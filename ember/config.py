@@ -73,8 +73,8 @@ class EngineConfig:
     # (matmuls on a bf16 copy of the weights packed once, bf16 activations between them,
     # on AMX / AVX-512 BF16; refused on CPUs without them), "int8" (a GGUF file's blocks
     # that tile multiply every row on int8 activations, as decode steps do; other matmuls
-    # exact fp32) or "auto" (bf16 on AMX; else int8 where the tiles sum on VNNI, AVX512-VNNI
-    # or AVX-VNNI, for a file mostly in such blocks; else bf16 where it outruns fp32, AVX-512
+    # exact fp32) or "auto" (bf16 on AMX; else int8 where the tiles sum on AVX512-VNNI, for
+    # a file mostly in such blocks; else bf16 where it outruns fp32, AVX-512
     # BF16 on AMD; else ieee for prefill, int8 decode). The
     # default is auto, or $EMBER_MATMUL_PRECISION where set: an environment variable
     # reaches the engines of child processes too

@@ -185,9 +185,9 @@ def test_int8_is_refused_beside_fp32_decode_and_keys_its_own_kv(files, monkeypat
 
 
 def test_cpu_probes_agree_with_cpuinfo():
-    """bf16 outruns fp32 on AMX, and on AMD's AVX-512 BF16; the tiles outrun fp32 where
-    their sums use VNNI (AVX512-VNNI in the AVX-512 build, AVX-VNNI in the AVX2 one, on a
-    CPU with it)."""
+    """bf16 outruns fp32 on AMX, and on AMD's AVX-512 BF16; the tiles sum on VNNI where the
+    CPU has it (AVX512-VNNI in the AVX-512 build, AVX-VNNI in the AVX2 one) and outrun
+    fp32 at prefill sizes on AVX512-VNNI."""
     from ember.models.layers import cpu_bf16_outruns_fp32, cpu_int8_outruns_fp32
 
     try:
@@ -204,5 +204,6 @@ def test_cpu_probes_agree_with_cpuinfo():
         vnni = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}.get(build.isa)
         expected = "" if vnni is None or vnni not in flags else vnni.replace("_", "")
         assert build.tiles_vnni_name() == expected, build.isa
-        assert cpu_int8_outruns_fp32(build) == bool(expected)
+        # prefill on the tiles pays on AVX512-VNNI only (AVX-VNNI's 256 bits: decode rows)
+        assert cpu_int8_outruns_fp32(build) == (expected == "avx512vnni")
     assert not cpu_int8_outruns_fp32(None)

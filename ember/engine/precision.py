@@ -57,7 +57,7 @@ def prefill_precision(config: EngineConfig, tiled_share: float = 0.0) -> str:
 def _auto(config: EngineConfig, tiled_share: float) -> tuple[str, str]:
     """matmul_precision auto, by what was measured on each kind of CPU
     (docs/benchmarks.md): bf16 on AMX (3.8-4.1x less prefill time than fp32); else int8
-    where the tiles' sums run on VNNI (AVX512-VNNI, or AVX-VNNI in the AVX2 build; an AMD
+    where the tiles' sums run on AVX512-VNNI (not the AVX2 build's AVX-VNNI; an AMD
     EPYC: the tiles 1.1-2.3x oneDNN's bf16 at 16-512 rows, the conversation trace served
     1.15-1.4x faster than in bf16, its chunks still attending in bf16; an Intel Xeon whose
     AMX is not offered: oneDNN's bf16 1.7x slower than its fp32, the tiles 1.6-2.3x

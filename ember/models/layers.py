@@ -486,9 +486,10 @@ def cpu_bf16_outruns_fp32() -> bool:
 
 def cpu_int8_outruns_fp32(kernels) -> bool:
     """Whether the int8 tiles' GEMM outruns oneDNN's fp32 one at prefill sizes: where its
-    sums run on VNNI (AVX512-VNNI: 1.6-2.3x at 128-512 rows on an Intel Xeon; AVX-VNNI in
-    the AVX2 build; on AVX2's maddubs it was 0.8-1.1x, docs/benchmarks.md)."""
-    return kernels is not None and kernels.tiles_use_vnni()
+    sums run on AVX512-VNNI (1.6-2.3x at 128-512 rows on an Intel Xeon). Not on AVX2's
+    maddubs (0.8-1.1x), nor on the AVX2 build's AVX-VNNI (0.9-1.0x at 128-512 rows on an
+    AMD EPYC, Zen 5; docs/benchmarks.md), which serve decode steps' few rows."""
+    return kernels is not None and kernels.tiles_vnni_name() == "avx512vnni"
 
 
 def cpu_has_bf16() -> bool:
