@@ -273,13 +273,13 @@ def test_an_idle_engine_runs_its_matmuls_at_every_rounded_row_count(tiny_checkpo
     )
     while core.has_idle_work():
         core.idle_work()
-    assert core.warmer.done and core.calibrator.done
-    shapes = {(m.weight.shape[1], m.weight.shape[0]) for m in core.warmer.linears}
-    assert len(shapes) == len(core.warmer.linears) >= 4  # qkv, o, gate_up, down (+ head)
+    assert core.idle.warmer.done and core.idle.calibrator.done
+    shapes = {(m.weight.shape[1], m.weight.shape[0]) for m in core.idle.warmer.linears}
+    assert len(shapes) == len(core.idle.warmer.linears) >= 4  # qkv, o, gate_up, down (+ head)
     wanted = {(rows, k) for rows in range(ROW_QUANTUM, 65, ROW_QUANTUM) for k, _ in shapes}
     assert wanted <= set(calls)
     exact = LLM(path, matmul_precision="ieee", **SMALL_KV).engine.core
-    assert exact.warmer.done and not exact.warmer.linears
+    assert exact.idle.warmer.done and not exact.idle.warmer.linears
 
 
 def test_narrow_wide_bf16_matmuls_split_their_rows_on_amx(monkeypatch):

@@ -74,18 +74,18 @@ def test_an_idle_engine_calibrates_and_gives_everything_back(make_core, max_mode
     them out and the pairs keep the prior's cost."""
     core = make_core(max_model_len=max_model_len)
     long_steps = max_model_len == 1024
-    assert core.calibrator.long_steps == long_steps
-    context = core.calibrator.long_context
+    assert core.idle.calibrator.long_steps == long_steps
+    context = core.idle.calibrator.long_context
     assert context == min(LONG_CONTEXT, max_model_len - 2 * LONG_CHUNK - 1)
     blocks = core.kv_cache.num_free_blocks
     assert np.allclose(core.step_cost.coefficients, StepCoefficients().as_array())
     seen = {}
     observe = core.step_cost.observe
     core.step_cost.observe = lambda shape, ms: (seen.setdefault(shape, ms), observe(shape, ms))
-    script = core.calibrator.script
+    script = core.idle.calibrator.script
     assert idle(core) > len(script)  # the prefault's slices, then the script's
     observed = sum(step.observe for step in script)
-    assert core.step_cost.num_observed == core.calibrator.num_observed == observed
+    assert core.step_cost.num_observed == core.idle.calibrator.num_observed == observed
     # this machine's costs: a tiny model's 512-token step takes a few ms, the prior says ~1 s
     prompt = StepShape(512, 0, StepShape.chunk_pairs(0, 512))
     assert StepCostModel().predict_ms(prompt) > 4 * seen[prompt]  # the prior: far off
@@ -109,7 +109,7 @@ def test_calibrated_the_first_mixed_step_takes_the_whole_chunk(make_core):
     results = {}
     for calibrate in (False, True):
         core = make_core()
-        while not core.prefaulter.done:
+        while not core.idle.prefaulter.done:
             core.idle_work()
         if calibrate:
             idle(core)
@@ -125,33 +125,33 @@ def test_calibrated_the_first_mixed_step_takes_the_whole_chunk(make_core):
 
 def test_a_request_arriving_mid_script_drops_it_and_is_served_alike(make_core):
     core = make_core()
-    while not core.prefaulter.done:
+    while not core.idle.prefaulter.done:
         core.idle_work()
     free = core.kv_cache.num_free_blocks
     core.idle_work()  # the first scripted step: its blocks are taken
-    assert not core.calibrator.done and core.kv_cache.num_free_blocks < free
+    assert not core.idle.calibrator.done and core.kv_cache.num_free_blocks < free
     prompt = [11 + i for i in range(30)]
     tokens, _ = serve(core, [prompt])  # add_request drops the script
-    assert core.calibrator.done and not core.has_idle_work()
+    assert core.idle.calibrator.done and not core.has_idle_work()
     assert core.kv_cache.num_free_blocks == free and core.kv_cache.check_integrity()
     reference = make_core()
     assert serve(reference, [prompt])[0] == tokens
 
 
 def test_what_cannot_calibrate_does_not(make_core):
-    assert make_core(max_model_len=256).calibrator.done  # the script's prompts do not fit
-    assert make_core(speculative_method="ngram").calibrator.done
+    assert make_core(max_model_len=256).idle.calibrator.done  # the script's prompts do not fit
+    assert make_core(speculative_method="ngram").idle.calibrator.done
 
 
 def test_a_failing_step_drops_the_script_and_the_engine_serves_on(make_core, monkeypatch):
     core = make_core()
-    while not core.prefaulter.done:
+    while not core.idle.prefaulter.done:
         core.idle_work()
     free = core.kv_cache.num_free_blocks
     core.idle_work()  # a first step goes through
     monkeypatch.setattr(core.runner, "execute", lambda out: 1 / 0)
     core.idle_work()
-    assert core.calibrator.done and core.kv_cache.num_free_blocks == free
+    assert core.idle.calibrator.done and core.kv_cache.num_free_blocks == free
     monkeypatch.undo()
     tokens, _ = serve(core, [[3 + i for i in range(20)]])
     assert len(tokens[0]) == PARAMS.max_tokens
@@ -192,7 +192,7 @@ def test_a_step_timed_while_the_cpu_is_shared_runs_again_later(make_core, shared
     """A busy neighbour during an observed step: the step is not observed, the script
     waits out the backoff (the engine has no idle work then) and runs it again."""
     core = make_core()
-    while not core.prefaulter.done:
+    while not core.idle.prefaulter.done:
         core.idle_work()
     free = core.kv_cache.num_free_blocks
     times = []
@@ -201,18 +201,18 @@ def test_a_step_timed_while_the_cpu_is_shared_runs_again_later(make_core, shared
     core.idle_work()  # the warm-up step (not observed)
     shared_cpu.busy = True
     core.idle_work()  # the first observed step, beside a busy process
-    assert times == [] and core.calibrator.num_contended == 1
-    assert not core.calibrator.ready and not core.calibrator.done
+    assert times == [] and core.idle.calibrator.num_contended == 1
+    assert not core.idle.calibrator.ready and not core.idle.calibrator.done
     while core.has_idle_work():  # the rest of the idle work goes on meanwhile
         core.idle_work()
-    assert core.warmer.done and not core.calibrator.done
+    assert core.idle.warmer.done and not core.idle.calibrator.done
     shared_cpu.busy = False
     shared_cpu.now += calibration.BACKOFF_S[0] * 1.5  # the longest jittered wait
-    assert core.calibrator.ready and core.has_idle_work()
+    assert core.idle.calibrator.ready and core.has_idle_work()
     idle(core)
-    observed = sum(step.observe for step in core.calibrator.script)
-    assert core.calibrator.done and len(times) == core.calibrator.num_observed == observed
-    assert core.calibrator.num_contended == 1
+    observed = sum(step.observe for step in core.idle.calibrator.script)
+    assert core.idle.calibrator.done and len(times) == core.idle.calibrator.num_observed == observed
+    assert core.idle.calibrator.num_contended == 1
     assert core.kv_cache.num_free_blocks == free and core.kv_cache.check_integrity()
 
 
@@ -220,26 +220,26 @@ def test_on_a_box_that_stays_busy_the_steps_are_observed_as_they_come(make_core,
     core = make_core()
     shared_cpu.busy = True
     for _ in range(1000):
-        if core.calibrator.done:
+        if core.idle.calibrator.done:
             break
         if core.has_idle_work():
             core.idle_work()
         else:
             shared_cpu.now += 10.0  # past any backoff
-    assert core.calibrator.done
-    assert core.calibrator.num_contended == len(calibration.BACKOFF_S)
-    assert core.calibrator.num_observed == sum(step.observe for step in core.calibrator.script)
+    assert core.idle.calibrator.done
+    assert core.idle.calibrator.num_contended == len(calibration.BACKOFF_S)
+    assert core.idle.calibrator.num_observed == sum(step.observe for step in core.idle.calibrator.script)
 
 
 def test_a_request_during_the_backoff_drops_the_script(make_core, shared_cpu):
     core = make_core()
-    while not core.prefaulter.done:
+    while not core.idle.prefaulter.done:
         core.idle_work()
     free = core.kv_cache.num_free_blocks
     shared_cpu.busy = True
     core.idle_work()
     core.idle_work()  # contended: waits
-    assert not core.calibrator.ready and core.kv_cache.num_free_blocks < free
+    assert not core.idle.calibrator.ready and core.kv_cache.num_free_blocks < free
     tokens, _ = serve(core, [[3 + i for i in range(20)]])
     assert len(tokens[0]) == PARAMS.max_tokens
-    assert core.calibrator.done and core.kv_cache.num_free_blocks == free
+    assert core.idle.calibrator.done and core.kv_cache.num_free_blocks == free

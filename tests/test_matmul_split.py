@@ -127,14 +127,14 @@ def test_an_idle_bf16_engine_times_its_matmuls_and_still_computes_them(
     path = str(tiny_checkpoint("llama"))
     llm = LLM(path, matmul_precision="bf16", max_prefill_step_tokens=768, **SMALL_KV)
     core = llm.engine.core  # (steps of up to 768 rows: the longest a step can have)
-    while not core.prefaulter.done:
+    while not core.idle.prefaulter.done:
         core.idle_work()
-    assert not core.split_tuner.done
+    assert not core.idle.split_tuner.done
     core.idle_work()  # the tuner's first step comes before the calibration's
-    assert any(core.split_tuner.timings.values()) and core.calibrator.num_observed == 0
+    assert any(core.idle.split_tuner.timings.values()) and core.idle.calibrator.num_observed == 0
     while core.has_idle_work():
         core.idle_work()
-    shapes = core.split_tuner.shapes
+    shapes = core.idle.split_tuner.shapes
     assert len(shapes) >= 4  # qkv, o, gate_up, down
     timed = [m for linears in shapes.values() for m in linears]
     model = core.runner.model

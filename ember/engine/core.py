@@ -19,18 +19,15 @@ import torch
 
 from ember import envs, startup
 from ember.config import EngineConfig
-from ember.engine.calibration import Calibrator
 from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
+from ember.engine.idle import IdleWork
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.matmul_split import SplitTuner
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner, PendingStep, SlicedStep
-from ember.engine.padded_rows import PrimitiveWarmer
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.speculative import make_speculator
 from ember.engine.step_cost import StepCostModel, StepShape
-from ember.kv.buffers import Prefaulter
 from ember.kv.connector import ConnectorContext, KVStats, MultiConnector, make_connector
 from ember.kv.tiers import TieredStore
 from ember.loader.checkpoint import Checkpoint, open_checkpoint
@@ -66,8 +63,6 @@ class EngineCore:
         except BaseException:
             self.runner.close()  # no shared-memory file or other rank left behind
             raise
-        kv = self.runner.worker_kv  # pages ahead of use, when idle (every rank's, if it can)
-        self.prefaulter = Prefaulter(kv.every_tensor() if kv else self.runner.kv_caches)
         self.step_cost = StepCostModel()
         # pipeline parallel: one step in flight per stage (see _pipelined_step)
         self.steps_in_flight = envs.pipeline_steps_in_flight(config.pipeline_parallel_size)
@@ -100,18 +95,13 @@ class EngineCore:
         one = one and self.runner.device.type == "cpu"
         self.target_itl_ms = config.target_itl_ms if one else 0.0
         self._decoded_at = time.perf_counter()  # the end of the last step with decodes
-        self.calibrator = Calibrator(
-            self.runner, self.kv_cache, self.step_cost, self.max_model_len,
+        self.idle = IdleWork(
+            config, self.runner, self.kv_cache, self.step_cost, self.max_model_len,
             model_config.vocab_size,
-            enabled=config.world_size == 1 and alone
+            # the step cost model's calibration: one CPU process, one step at a time
+            calibrate=config.world_size == 1 and alone
             and self.speculator is None and self.runner.device.type == "cpu",
         )  # fmt: skip
-        # before it, each bf16 matmul timed whole and split by rows (ember.engine.matmul_split);
-        # after it, oneDNN's primitives of every rounded row count a step with decodes can
-        # have (a longer step of prompts alone makes its own: each takes as long as a step)
-        model = self.runner.model if config.world_size == 1 else None
-        self.split_tuner = SplitTuner(model, config.max_step_tokens)
-        self.warmer = PrimitiveWarmer(model, config.max_num_batched_tokens)
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
         self._grammars: GrammarCompiler | None = None
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
@@ -188,7 +178,7 @@ class EngineCore:
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request's sequences; a ValueError leaves nothing queued."""
-        self.calibrator.drop()  # served steps teach the cost model from here on
+        self.idle.served()
         self.num_preparing = core_request.num_preparing
         self.num_sequences_received += core_request.params.n
         if core_request.request_id in self._sequence_ids:
@@ -322,25 +312,12 @@ class EngineCore:
         )
 
     def has_idle_work(self) -> bool:
-        """Whether an idle moment has a use: KV pages not yet taken (see Prefaulter), then
-        timing bf16 matmuls whole and split (ember.engine.matmul_split), then the step
-        cost model's calibration (ember.engine.calibration; neither while it waits for a
-        busy CPU to settle), then oneDNN's primitives for a bf16 step's row counts
-        (ember.engine.padded_rows)."""
-        idle = not self.prefaulter.done or self.split_tuner.ready or self.calibrator.ready
-        return idle or not self.warmer.done
+        """Whether an idle moment has a use (ember.engine.idle)."""
+        return self.idle.pending()
 
     def idle_work(self) -> None:
-        """One slice of it (milliseconds; a calibration step, up to a 512-token prefill);
-        call only when no step is due."""
-        if not self.prefaulter.done:
-            self.prefaulter.step()
-        elif self.split_tuner.ready:
-            self.split_tuner.step()
-        elif self.calibrator.ready:
-            self.calibrator.step()
-        elif not self.warmer.done:
-            self.warmer.step()
+        """One slice of it (milliseconds); call only when no step is due."""
+        self.idle.step()
 
     def hold_ms(self) -> float:
         """How long the next step should wait for requests the frontend is preparing (0:
