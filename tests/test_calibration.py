@@ -226,9 +226,9 @@ def test_on_a_box_that_stays_busy_the_steps_are_observed_as_they_come(make_core,
             core.idle_work()
         else:
             shared_cpu.now += 10.0  # past any backoff
-    assert core.idle.calibrator.done
-    assert core.idle.calibrator.num_contended == len(calibration.BACKOFF_S)
-    assert core.idle.calibrator.num_observed == sum(step.observe for step in core.idle.calibrator.script)
+    calibrator = core.idle.calibrator
+    assert calibrator.done and calibrator.num_contended == len(calibration.BACKOFF_S)
+    assert calibrator.num_observed == sum(step.observe for step in calibrator.script)
 
 
 def test_a_request_during_the_backoff_drops_the_script(make_core, shared_cpu):
