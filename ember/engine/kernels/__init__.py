@@ -35,6 +35,7 @@ logger = logging.getLogger("ember.engine")
 
 _HERE = Path(__file__).parent
 _SOURCES = (
+    "bindings.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
     "layers.cpp",
@@ -44,6 +45,7 @@ _SOURCES = (
     "int8_tiles.cpp",
 )
 _HEADERS = (
+    "kernels.h",
     "simd.h",
     "cache_types.h",
     "padded_rows.h",

@@ -27,7 +27,7 @@
 //                                                      w = (d * sc) * (q - 32), sc per 16
 // W is [out_features, blocks per row, bytes per block] uint8; the block size names the
 // format.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -581,9 +581,9 @@ bool block_gemm_supported(int64_t in_features, int64_t out_features, int64_t blo
 // x W^T (+ b) for `name` (block_gemm, block_gemm_int8) after checking its arguments:
 // run(format, rows, x, w, y, k_dim, n_dim) computes the product for W's format.
 template <typename Run>
-torch::Tensor blocks_product(const char* name, torch::Tensor x, const torch::Tensor& blocks,
-                             const c10::optional<torch::Tensor>& bias, const Run& run) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && blocks.dtype() == torch::kUInt8,
+at::Tensor blocks_product(const char* name, at::Tensor x, const at::Tensor& blocks,
+                          const c10::optional<at::Tensor>& bias, const Run& run) {
+  TORCH_CHECK(x.dtype() == at::kFloat && blocks.dtype() == at::kByte,
               name, ": float32 x, uint8 blocks");
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3, name, ": 2-D x, 3-D blocks [out, blocks, bytes]");
   x = x.contiguous();
@@ -596,7 +596,7 @@ torch::Tensor blocks_product(const char* name, torch::Tensor x, const torch::Ten
               name, ": in_features % ", weights, " == 0, out_features % 4 == 0");
   TORCH_CHECK(blocks.size(1) * weights == k_dim, name, ": ", blocks.size(1), " blocks of ",
               weights, " weights per row, for ", k_dim, " in_features");
-  auto y = torch::empty({rows, n_dim}, x.options());
+  auto y = at::empty({rows, n_dim}, x.options());
   with_format(block_bytes, [&](auto format) {
     run(format, rows, x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(),
         k_dim, n_dim);
@@ -608,14 +608,14 @@ torch::Tensor blocks_product(const char* name, torch::Tensor x, const torch::Ten
 // The float32 weights [rows, blocks per row * weights per block] that `blocks` ([rows,
 // blocks per row, bytes per block] uint8) decode to: gguf's dequantizers' values bit for
 // bit (see the top of this file), decoded a group at a time as the GEMMs do.
-torch::Tensor dequantize_blocks(const torch::Tensor& blocks, bool bf16) {
-  TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 3 && blocks.is_contiguous(),
+at::Tensor dequantize_blocks(const at::Tensor& blocks, bool bf16) {
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 3 && blocks.is_contiguous(),
               "dequantize_blocks: contiguous 3-D uint8 blocks [rows, blocks, bytes]");
   const int64_t rows = blocks.size(0), per_row = blocks.size(1), block_bytes = blocks.size(2);
   const int64_t weights = block_weights(block_bytes);
   TORCH_CHECK(weights > 0, "dequantize_blocks: ", block_bytes, "-byte blocks are none of "
               "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K");
-  auto out = torch::empty({rows, per_row * weights}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+  auto out = at::empty({rows, per_row * weights}, bf16 ? at::kBFloat16 : at::kFloat);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   // float32 as decoded, or each rounded to bf16 as torch rounds (nearest even): the packed
   // bf16 copy made without a float32 matrix between
@@ -645,33 +645,18 @@ torch::Tensor dequantize_blocks(const torch::Tensor& blocks, bool bf16) {
 
 // blocks: [out_features, blocks per row, bytes per block] uint8; the block size names the
 // format.
-torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+at::Tensor block_gemm(at::Tensor x, at::Tensor blocks, c10::optional<at::Tensor> bias) {
   return blocks_product("block_gemm", x, blocks, bias, [](auto format, auto... args) {
     block_gemm_all<decltype(format)>(args...);
   });
 }
 
-torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
-                              const c10::optional<torch::Tensor>& bias, bool allow_vnni);  // int8_tiles.cpp
 
 // The same product with x's rows quantized to int8 (see the int8 section above); 4-D
 // blocks are Q4_0 / Q4_1 / Q8_0 blocks in tiles of 16 features (int8_tiles.cpp).
-torch::Tensor block_gemm_int8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+at::Tensor block_gemm_int8(at::Tensor x, at::Tensor blocks, c10::optional<at::Tensor> bias) {
   if (blocks.dim() == 4) return tiled_gemm_int8(x, blocks, bias, true);
   return blocks_product("block_gemm_int8", x, blocks, bias, [](auto format, auto... args) {
     int8_gemm_all<decltype(format)>(args...);
   });
-}
-
-void register_block_gemm(pybind11::module& m) {
-  m.def("block_gemm", &block_gemm,
-        "x W^T (+ b), W as GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks");
-  m.def("block_gemm_int8", &block_gemm_int8,
-        "block_gemm with x quantized to int8 per 32 values and integer products (4-D blocks: tiles, int8_tiles.cpp)");
-  m.def("dequantize_blocks", &dequantize_blocks,
-        "the float32 weights [rows, in_features] that GGUF blocks [rows, blocks, bytes] decode to "
-        "(with bf16, those rounded to bfloat16)",
-        py::arg("blocks"), py::arg("bf16") = false);
-  m.def("block_gemm_supported", &block_gemm_supported,
-        "whether block_gemm takes these shapes (in_features, out_features, bytes per block)");
 }

@@ -7,13 +7,13 @@
 
 // fn(element) with a value of the caches' element type: float or c10::BFloat16
 template <typename Fn>
-void with_cache_type(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+void with_cache_type(const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const char* name, const Fn& fn) {
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
-                  (key_cache.scalar_type() == torch::kFloat32 ||
-                   key_cache.scalar_type() == torch::kBFloat16),
+                  (key_cache.scalar_type() == at::kFloat ||
+                   key_cache.scalar_type() == at::kBFloat16),
               name, ": the key and value caches in float32 or bfloat16, alike");
-  if (key_cache.scalar_type() == torch::kFloat32)
+  if (key_cache.scalar_type() == at::kFloat)
     fn(float{});
   else
     fn(c10::BFloat16{});

@@ -9,34 +9,20 @@
 //   residual += a W_o^T
 //   x   = rms_norm(residual) * w_post
 //   out = (silu(x W_gate^T) * x W_up^T) W_down^T       -> returned; residual updated in place
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/core/dispatch/Dispatcher.h>
-
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps, bool bf16_out);
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
-              torch::Tensor value_cache, torch::Tensor slots);
-bool small_gemm_supported(int64_t rows, int64_t in_features, int64_t out_features);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-torch::Tensor block_gemm(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias);
-torch::Tensor block_gemm_int8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
 
 namespace {
 
 // oneDNN's linear on a pre-packed weight (the op torch registers as mkldnn::_linear_pointwise).
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                       .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
-                                            const c10::optional<torch::Tensor>&, c10::string_view,
-                                            c10::List<c10::optional<c10::Scalar>>,
-                                            c10::optional<c10::string_view>)>();
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                         const c10::optional<at::Tensor>&, c10::string_view,
+                                         c10::List<c10::optional<c10::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
   return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::nullopt);
 }
 
@@ -51,16 +37,16 @@ struct Limits {
 
 // W's blocks: none, one matrix, or a fused W's parts in different formats (along out
 // features), multiplied part by part
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& packed,
-                     const std::vector<torch::Tensor>& blocks,
-                     const c10::optional<torch::Tensor>& bias, Limits limits) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& packed,
+                  const std::vector<at::Tensor>& blocks,
+                  const c10::optional<at::Tensor>& bias, Limits limits) {
   if (!blocks.empty() && x.size(0) <= limits.block_max_rows) {
     const auto gemm = x.size(0) <= limits.int8_max_rows ? block_gemm_int8 : block_gemm;
     if (blocks.size() == 1) return gemm(x, blocks[0], bias);
-    std::vector<torch::Tensor> parts;
+    std::vector<at::Tensor> parts;
     for (const auto& part : blocks) parts.push_back(gemm(x, part, c10::nullopt));
-    auto y = torch::cat(parts, 1);
+    auto y = at::cat(parts, 1);
     return bias.has_value() ? y.add_(*bias) : y;
   }
   if (small_gemm_supported(x.size(0), weight.size(1), weight.size(0)))
@@ -68,13 +54,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   if (weight.scalar_type() != x.scalar_type()) {
     auto low = x.to(weight.scalar_type());
     auto y = (packed.has_value() ? packed_linear(low, *packed, c10::nullopt)
-                                 : torch::linear(low, weight))
+                                 : at::linear(low, weight))
                  .to(x.scalar_type());
     return bias.has_value() ? y.add_(*bias) : y;
   }
   if (packed.has_value() && x.size(0) >= limits.packed_min_rows)
     return packed_linear(x, *packed, bias);
-  return torch::linear(x, weight, bias);
+  return at::linear(x, weight, bias);
 }
 
 }  // namespace
@@ -82,20 +68,20 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 // weights: {input_norm, post_norm, qkv, o, gate_up, down}; packed: the same four matmul
 // weights in oneDNN layout (or None); blocks: the same four's GGUF blocks (see linear);
 // qkv_bias optional.
-torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool first,
-                           const std::vector<torch::Tensor>& weights,
-                           const std::vector<c10::optional<torch::Tensor>>& packed,
-                           const std::vector<std::vector<torch::Tensor>>& blocks,
-                           const c10::optional<torch::Tensor>& qkv_bias, double eps,
-                           int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
-                           const torch::Tensor& sin, const torch::Tensor& key_cache,
-                           const torch::Tensor& value_cache, const torch::Tensor& slots,
-                           const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                           double scale, int64_t packed_min_rows, int64_t block_max_rows,
-                           const std::vector<int64_t>& int8_max_rows,
-                           const pybind11::object& reduce) {
-  // reduce: None, or (tensor parallel) a Python callable summing a tensor over the ranks in
-  // place; it gets the o and down projections' partial products (called with the GIL held)
+at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, bool first,
+                        const std::vector<at::Tensor>& weights,
+                        const std::vector<c10::optional<at::Tensor>>& packed,
+                        const std::vector<std::vector<at::Tensor>>& blocks,
+                        const c10::optional<at::Tensor>& qkv_bias, double eps,
+                        int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& slots,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t packed_min_rows, int64_t block_max_rows,
+                        const std::vector<int64_t>& int8_max_rows,
+                        const Reduce& reduce) {
+  // reduce: empty, or (tensor parallel) the ranks' sum in place of the o and down
+  // projections' partial products (a Python callable: bindings.cpp)
   TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4 &&
                   int8_max_rows.size() == 4,
               "decode_layer: weights");
@@ -113,40 +99,32 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor residual, bool fi
                                      value_cache, block_tables, context_lens, scale);
   auto o = linear(attn.view({num_seqs, num_heads * head_dim}), weights[3], packed[1], blocks[1],
                   c10::nullopt, limits(1));
-  if (!reduce.is_none()) reduce(o);
+  if (reduce) reduce(o);
   x = add_rms_norm(residual, o, weights[1], eps, false);
   auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits(2)));
   auto down = linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits(3));
-  if (!reduce.is_none()) reduce(down);
+  if (reduce) reduce(down);
   return down;
 }
 
 // One layer's arguments to decode_layer that do not change from step to step, made once
 // (ember.models.llama.FusedDecode): decode_layers then takes a step's layers in one call,
 // with no Python between them and nothing of theirs converted again.
-struct DecodeLayerArgs {
-  std::vector<torch::Tensor> weights;
-  std::vector<c10::optional<torch::Tensor>> packed;
-  std::vector<std::vector<torch::Tensor>> blocks;
-  c10::optional<torch::Tensor> qkv_bias;
-  int64_t block_max_rows;
-  std::vector<int64_t> int8_max_rows;
-};
 
 // Every layer of a decode-only step: decode_layer on each in turn (the first one's residual
 // is `hidden` itself), then hidden + residual, as the Python loop over decode_layer gives.
 // kv_caches: each layer's cache, keys at [0] and values at [1].
-torch::Tensor decode_layers(torch::Tensor hidden,
-                            const std::vector<std::shared_ptr<DecodeLayerArgs>>& layers,
-                            const std::vector<torch::Tensor>& kv_caches,
-                            double eps, int64_t num_heads, int64_t num_kv_heads,
-                            const torch::Tensor& cos, const torch::Tensor& sin,
-                            const torch::Tensor& slots, const torch::Tensor& block_tables,
-                            const torch::Tensor& context_lens, double scale,
-                            int64_t packed_min_rows, const pybind11::object& reduce) {
+at::Tensor decode_layers(at::Tensor hidden,
+                         const std::vector<std::shared_ptr<DecodeLayerArgs>>& layers,
+                         const std::vector<at::Tensor>& kv_caches,
+                         double eps, int64_t num_heads, int64_t num_kv_heads,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slots, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, double scale,
+                         int64_t packed_min_rows, const Reduce& reduce) {
   TORCH_CHECK(!layers.empty() && kv_caches.size() == layers.size(),
               "decode_layers: a KV cache for each layer");
-  const torch::Tensor residual = hidden;
+  const at::Tensor residual = hidden;
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayerArgs& layer = *layers[i];
     hidden = decode_layer(hidden, residual, i == 0, layer.weights, layer.packed, layer.blocks,
@@ -156,26 +134,4 @@ torch::Tensor decode_layers(torch::Tensor hidden,
                           reduce);
   }
   return hidden + residual;
-}
-
-void register_decode_layer(pybind11::module& m) {
-  m.def("decode_layer", &decode_layer, "one decoder layer for a decode-only batch");
-  // module_local: each ISA's build is its own extension module, and one process may load
-  // several (the tests do); a type registered globally would clash with the next one's
-  pybind11::class_<DecodeLayerArgs, std::shared_ptr<DecodeLayerArgs>>(
-      m, "DecodeLayerArgs", "one layer's unchanging arguments to decode_layer",
-      pybind11::module_local())
-      .def(pybind11::init([](std::vector<torch::Tensor> weights,
-                             std::vector<c10::optional<torch::Tensor>> packed,
-                             std::vector<std::vector<torch::Tensor>> blocks,
-                             c10::optional<torch::Tensor> qkv_bias, int64_t block_max_rows,
-                             std::vector<int64_t> int8_max_rows) {
-        TORCH_CHECK(weights.size() == 6 && packed.size() == 4 && blocks.size() == 4 &&
-                        int8_max_rows.size() == 4,
-                    "DecodeLayerArgs: weights");
-        return std::make_shared<DecodeLayerArgs>(DecodeLayerArgs{
-            std::move(weights), std::move(packed), std::move(blocks), std::move(qkv_bias),
-            block_max_rows, std::move(int8_max_rows)});
-      }));
-  m.def("decode_layers", &decode_layers, "every layer of a decode-only step (DecodeLayerArgs)");
 }

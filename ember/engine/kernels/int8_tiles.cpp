@@ -23,7 +23,7 @@
 // with min_j = -8 d_j (Q4_0), -16 d_j (Q5_0), m_j (Q4_1, Q5_1), none (Q8_0). The generic build does the same
 // operations one lane at a time (std::fma), so every build gives the same bits, and a
 // row's result does not depend on the other rows of x.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -164,6 +164,10 @@ void tiled_all(bool vnni, int64_t rows, const float* x, const uint8_t* tiles, fl
 
 }  // namespace
 
+bool tiles_use_vnni() { return kHasVnni; }
+
+std::string tiles_vnni_name() { return kHasVnni ? kVnniName : ""; }
+
 bool tiled_format(int64_t block_bytes) {
   return with_tile_format(block_bytes, [](auto) {});
 }
@@ -171,11 +175,11 @@ bool tiled_format(int64_t block_bytes) {
 // x W^T (+ b), W as tiles [n / 16, blocks per row, 16, bytes per block] (see the top)
 // allow_vnni: false keeps to maddubs + madd where the CPU has VNNI (the tests hold the two
 // to the same bits)
-torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
-                              const c10::optional<torch::Tensor>& bias, bool allow_vnni) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(0) >= 1,
+at::Tensor tiled_gemm_int8(at::Tensor x, const at::Tensor& tiles,
+                           const c10::optional<at::Tensor>& bias, bool allow_vnni) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(0) >= 1,
               "tiled_gemm_int8: 2-D float32 x with rows");
-  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.dim() == 4 && tiles.size(2) == kTile &&
+  TORCH_CHECK(tiles.dtype() == at::kByte && tiles.dim() == 4 && tiles.size(2) == kTile &&
                   tiles.is_contiguous(),
               "tiled_gemm_int8: contiguous uint8 tiles [out / 16, blocks, 16, bytes]");
   TORCH_CHECK(tiled_format(tiles.size(3)), "tiled_gemm_int8: ", tiles.size(3),
@@ -184,7 +188,7 @@ torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
   const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = tiles.size(0) * kTile;
   TORCH_CHECK(tiles.size(1) * kGroup == k_dim, "tiled_gemm_int8: ", tiles.size(1),
               " blocks of 32 weights per row, for ", k_dim, " in_features");
-  auto y = torch::empty({rows, n_dim}, x.options());
+  auto y = at::empty({rows, n_dim}, x.options());
   with_tile_format(tiles.size(3), [&](auto format) {
     tiled_all<decltype(format)>(allow_vnni && kHasVnni, rows, x.data_ptr<float>(), tiles.data_ptr<uint8_t>(),
                                 y.data_ptr<float>(), k_dim, n_dim);
@@ -197,15 +201,15 @@ torch::Tensor tiled_gemm_int8(torch::Tensor x, const torch::Tensor& tiles,
 // `tiles` (uint8 [n / 16, blocks per row, 16, bytes], contiguous; see the top): the same
 // bytes but the fifth bits, which move within their word. One pass over the blocks,
 // the tiles on the threads at once (torch's permuted copies took 1.5 ms a MB).
-void tile_blocks_into(const torch::Tensor& blocks, torch::Tensor tiles) {
-  TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 3 && blocks.is_contiguous(),
+void tile_blocks_into(const at::Tensor& blocks, at::Tensor tiles) {
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 3 && blocks.is_contiguous(),
               "tile_blocks: contiguous uint8 blocks [n, blocks, bytes]");
   const int64_t n = blocks.size(0), per_row = blocks.size(1), bytes = blocks.size(2);
   TORCH_CHECK(n % kTile == 0, "tile_blocks: ", n, " features, not a multiple of 16");
   TORCH_CHECK(tiled_format(bytes), "tile_blocks: ", bytes,
               "-byte blocks are none of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0");
-  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.is_contiguous() &&
-                  tiles.sizes() == torch::IntArrayRef({n / kTile, per_row, kTile, bytes}),
+  TORCH_CHECK(tiles.dtype() == at::kByte && tiles.is_contiguous() &&
+                  tiles.sizes() == at::IntArrayRef({n / kTile, per_row, kTile, bytes}),
               "tile_blocks: contiguous uint8 tiles [n / 16, blocks, 16, bytes]");
   // the format's fp16 fields (d; then m), and whether 4 bytes of fifth bits follow them
   const int64_t fields = (bytes == 20 || bytes == 24) ? 2 : 1;
@@ -239,19 +243,4 @@ void tile_blocks_into(const torch::Tensor& blocks, torch::Tensor tiles) {
         for (int j = 0; j < kTile; ++j, out += 4) std::memcpy(out, from[j] + codes + 4 * w, 4);
     }
   });
-}
-
-void register_int8_tiles(pybind11::module& m) {
-  m.def("tiled_gemm_int8", &tiled_gemm_int8,
-        "x W^T (+ b) on int8 activations, W as Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks in tiles of 16 features",
-        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("bias"),
-        pybind11::arg("allow_vnni") = true);
-  m.def("tiles_use_vnni", [] { return kHasVnni; }, "whether the tiles' sums use VNNI here");
-  m.def("tiles_vnni_name", [] { return std::string(kHasVnni ? kVnniName : ""); },
-        "the VNNI the tiles' sums use here (avx512vnni, avxvnni), or \"\"");
-  m.def("tiled_format", &tiled_format, "whether blocks of this many bytes can be tiled");
-  m.def("tile_blocks_into", &tile_blocks_into,
-        "GGUF blocks [n, blocks, bytes] regrouped into tiles [n / 16, blocks, 16, bytes]",
-        pybind11::arg("blocks"), pybind11::arg("tiles"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,7 +1,7 @@
 // Fused elementwise kernels for the decoder layer (CPU, float32; silu_and_mul also bf16, for
 // bf16 prefill steps): each replaces a handful of torch ops, which at decode batch sizes
 // cost more in dispatch than in math.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -17,8 +17,8 @@
 
 namespace {
 
-void check_float_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32, name, ": float32 only");
+void check_float_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat, name, ": float32 only");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-D with contiguous rows");
 }
 
@@ -63,18 +63,18 @@ void add_rms_norm_rows(float* res, int64_t res_stride, const D* add, int64_t add
 // transformers' `hidden = residual + delta; norm(hidden)` in float32. The residual is
 // float32; delta float32 or bf16 (a bf16 matmul's output); `bf16_out` returns the norm
 // rounded to bf16 (for a bf16 matmul next), else float32.
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps, bool bf16_out) {
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta,
+                        at::Tensor weight, double eps, bool bf16_out) {
   check_float_rows(residual, "add_rms_norm");
-  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() &&
+  TORCH_CHECK(weight.dtype() == at::kFloat && weight.is_contiguous() &&
                   weight.numel() == residual.size(1),
               "add_rms_norm: a float32 weight per column");
   const int64_t rows = residual.size(0), dim = residual.size(1);
-  auto out = bf16_out ? empty_padded_rows(rows, dim, residual.options().dtype(torch::kBFloat16))
-                      : torch::empty({rows, dim}, residual.options());
-  const bool bf16_delta = delta.has_value() && delta->dtype() == torch::kBFloat16;
+  auto out = bf16_out ? empty_padded_rows(rows, dim, residual.options().dtype(at::kBFloat16))
+                      : at::empty({rows, dim}, residual.options());
+  const bool bf16_delta = delta.has_value() && delta->dtype() == at::kBFloat16;
   if (delta.has_value()) {
-    TORCH_CHECK(delta->dtype() == torch::kFloat32 || bf16_delta, "add_rms_norm: float32 or bf16 delta");
+    TORCH_CHECK(delta->dtype() == at::kFloat || bf16_delta, "add_rms_norm: float32 or bf16 delta");
     TORCH_CHECK(delta->dim() == 2 && delta->size(0) == rows && delta->size(1) == dim &&
                     delta->stride(1) == 1,
                 "add_rms_norm: delta rows");
@@ -126,8 +126,8 @@ inline void rotate_head(float* v, const float* ct, const float* st, int64_t half
 
 // In place, rotate-half rotary embedding of x [T, heads, D] (token rows may be strided,
 // heads and dims contiguous) with cos/sin [T, D].
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3, "rotary_: float32 [T, H, D]");
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 3, "rotary_: float32 [T, H, D]");
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: contiguous heads");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   auto c = cos.contiguous(), s = sin.contiguous();
@@ -146,21 +146,21 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // in one pass: q [T, H, D] rotated and rounded back to bf16 (for bf16 attention), k rotated
 // and v as they are, in float32 [T, Hkv, D] (for the cache): what widening qkv, rotary_ on
 // q and k, and rounding q give, without the whole widened copy.
-std::vector<torch::Tensor> rotary_split_bf16(torch::Tensor qkv, torch::Tensor cos,
-                                             torch::Tensor sin, int64_t num_heads,
-                                             int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.dtype() == torch::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
+std::vector<at::Tensor> rotary_split_bf16(at::Tensor qkv, at::Tensor cos,
+                                          at::Tensor sin, int64_t num_heads,
+                                          int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dtype() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
               "rotary_split_bf16: bf16 [T, (H + 2 Hkv) D] with contiguous rows");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && qkv.size(1) % (num_heads + 2 * num_kv_heads) == 0,
               "rotary_split_bf16: head counts");
   const int64_t tokens = qkv.size(0), dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
-  TORCH_CHECK(dim % 2 == 0 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32 &&
+  TORCH_CHECK(dim % 2 == 0 && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat &&
                   cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(),
               "rotary_split_bf16: float32 cos, sin [T, D]");
   auto c = cos.contiguous(), s = sin.contiguous();
-  auto q = torch::empty({tokens, num_heads, dim}, qkv.options());
-  auto k = torch::empty({tokens, num_kv_heads, dim}, qkv.options().dtype(torch::kFloat32));
-  auto v = torch::empty_like(k);
+  auto q = at::empty({tokens, num_heads, dim}, qkv.options());
+  auto k = at::empty({tokens, num_kv_heads, dim}, qkv.options().dtype(at::kFloat));
+  auto v = at::empty_like(k);
   const auto* in = reinterpret_cast<const c10::BFloat16*>(qkv.data_ptr<at::BFloat16>());
   auto* qp = reinterpret_cast<c10::BFloat16*>(q.data_ptr<at::BFloat16>());
   float* kp = k.data_ptr<float>();
@@ -232,15 +232,15 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 || gate_up.dtype() == torch::kBFloat16,
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dtype() == at::kFloat || gate_up.dtype() == at::kBFloat16,
               "silu_and_mul: float32 or bfloat16");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "silu_and_mul: 2-D [T, 2I] with contiguous rows");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = gate_up.dtype() == torch::kBFloat16 ? empty_padded_rows(rows, inter, gate_up.options())
-                                                 : torch::empty({rows, inter}, gate_up.options());
-  if (gate_up.dtype() == torch::kFloat32) {
+  auto out = gate_up.dtype() == at::kBFloat16 ? empty_padded_rows(rows, inter, gate_up.options())
+                                                 : at::empty({rows, inter}, gate_up.options());
+  if (gate_up.dtype() == at::kFloat) {
     silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows, inter);
   } else {
     silu_mul_rows(reinterpret_cast<const c10::BFloat16*>(gate_up.data_ptr<at::BFloat16>()),
@@ -253,14 +253,14 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // Stores k and v [T, Hkv, D] (token rows may be strided) at flat slots of the caches
 // [num_blocks, block_size, Hkv, D]: float32 as they are, or rounded to bfloat16 (nearest
 // even, as torch's .to(torch.bfloat16) rounds).
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
-              torch::Tensor value_cache, torch::Tensor slots) {
-  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32, "write_kv: float32 k, v");
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor key_cache,
+              at::Tensor value_cache, at::Tensor slots) {
+  TORCH_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat, "write_kv: float32 k, v");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "write_kv: contiguous caches");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "write_kv: contiguous k heads");
   TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == v.size(2), "write_kv: contiguous v heads");
   const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
-  auto slot = slots.to(torch::kInt64).contiguous();
+  auto slot = slots.to(at::kLong).contiguous();
   const int64_t* sp = slot.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -285,18 +285,18 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
 // one thread: on an AMX Xeon, a 576-wide output from 1,536 inputs at 512 rows took as
 // long on two threads as on one, and 1.6x less split in two (docs/benchmarks.md). Each
 // range is what the matmul gives for those rows alone (the same bits as calling it on them).
-torch::Tensor linear_split_rows(torch::Tensor x, torch::Tensor packed,
-                                c10::optional<torch::Tensor> bias, int64_t parts) {
+at::Tensor linear_split_rows(at::Tensor x, at::Tensor packed,
+                             c10::optional<at::Tensor> bias, int64_t parts) {
   TORCH_CHECK(x.dim() == 2 && parts >= 1, "linear_split_rows: 2-D x, parts >= 1");
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
-                               const std::optional<torch::Tensor>&, c10::string_view,
-                               c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
   const int64_t rows = x.size(0);
   parts = std::max<int64_t>(1, std::min(parts, rows));
-  std::vector<torch::Tensor> outs(parts);
+  std::vector<at::Tensor> outs(parts);
   const at::ThreadLocalState state;  // inference mode and the rest, in every thread
   std::exception_ptr failure;
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
@@ -312,18 +312,5 @@ torch::Tensor linear_split_rows(torch::Tensor x, torch::Tensor packed,
     }
   }
   if (failure) std::rethrow_exception(failure);
-  return torch::cat(outs);
-}
-
-void register_layer_kernels(pybind11::module& m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight",
-        py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
-        py::arg("bf16_out") = false);
-  m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding");
-  m.def("rotary_split_bf16", &rotary_split_bf16,
-        "a bf16 qkv split and rotated: q in bf16, k and v in float32");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("linear_split_rows", &linear_split_rows,
-        "oneDNN's packed matmul on row ranges at once, a thread each");
-  m.def("write_kv", &write_kv, "store k, v at cache slots");
+  return at::cat(outs);
 }

@@ -12,9 +12,9 @@ constexpr int64_t kRowQuantum = 16;  // layers.py ROW_QUANTUM
 
 // An empty [rows, cols] tensor whose storage holds rows rounded up to kRowQuantum, the
 // spare rows zeroed (a matmul over them reads zeros, never stale values).
-inline torch::Tensor empty_padded_rows(int64_t rows, int64_t cols, const torch::TensorOptions& options) {
+inline at::Tensor empty_padded_rows(int64_t rows, int64_t cols, const at::TensorOptions& options) {
   const int64_t padded = (rows + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
-  auto full = torch::empty({padded, cols}, options);
+  auto full = at::empty({padded, cols}, options);
   if (padded > rows) full.narrow(0, rows, padded - rows).zero_();
   return full.narrow(0, 0, rows);
 }

@@ -12,7 +12,7 @@
 // block_tables: [num_seqs, max_blocks] int64
 // context_lens: [num_seqs] int64 (tokens to attend to, the query's own included)
 // returns       [num_seqs, num_heads, head_dim]
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -211,14 +211,14 @@ AttendFn<T> attend_for(int64_t head_dim, int64_t group) {
 }
 
 template <typename T>
-void decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
-                      const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                      const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+void decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto lens = context_lens.to(torch::kInt64).contiguous();
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto lens = context_lens.to(at::kLong).contiguous();
   const float* q_ptr = q.data_ptr<float>();
   const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
   const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
@@ -279,35 +279,16 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& key_cache,
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode_attention: float32 q");
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache,
+                                  at::Tensor value_cache, at::Tensor block_tables,
+                                  at::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dtype() == at::kFloat, "paged_decode_attention: float32 q");
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_decode_attention: contiguous tensors only");
-  auto out = torch::zeros_like(q);
+  auto out = at::zeros_like(q);
   with_cache_type(key_cache, value_cache, "paged_decode_attention", [&](auto element) {
     decode_attention<decltype(element)>(q, key_cache, value_cache, block_tables, context_lens,
                                         scale, out);
   });
   return out;
-}
-
-void register_layer_kernels(pybind11::module& m);  // layers.cpp
-void register_decode_layer(pybind11::module& m);   // decode_layer.cpp
-void register_small_gemm(pybind11::module& m);     // small_gemm.cpp
-void register_block_gemm(pybind11::module& m);     // block_gemm.cpp
-void register_int8_tiles(pybind11::module& m);     // int8_tiles.cpp
-void register_prefill_attention(pybind11::module& m);  // prefill_attention.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("isa") = simd::kIsa;
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (CPU, float32 q, a float32 or bfloat16 cache)");
-  register_layer_kernels(m);
-  register_decode_layer(m);
-  register_small_gemm(m);
-  register_block_gemm(m);
-  register_int8_tiles(m);
-  register_prefill_attention(m);
 }

@@ -28,7 +28,7 @@
 // context_len:  tokens of context after this chunk; query i sits at context_len - T + i
 // returns       [T, num_heads, head_dim] float32
 // head_dim must be 2, 4 or 8 vectors (`prefill_head_dims` lists them).
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -329,6 +329,8 @@ void pair_whole_tile(const T* keys, const T* values, const int64_t* table, int64
 #define EMBER_BF16_DOT 0
 #endif
 
+}  // namespace
+
 // Whether this build has the AMX kernel and may run it: the CPU has AMX-BF16 (CPUID leaf 7:
 // EDX bits 22 and 24) and Linux lets this process use the tile state, which it must ask for
 // once (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; refused on kernels before
@@ -349,6 +351,9 @@ bool amx_supported() {
 #endif
 }
 
+// the head sizes the prefill kernels take: 2, 4 and 8 vectors
+std::vector<int64_t> prefill_head_dims() { return {2 * kLanes, 4 * kLanes, 8 * kLanes}; }
+
 bool bf16_dot_supported() {
 #if EMBER_BF16_DOT
   return __builtin_cpu_supports("avx512bf16");
@@ -356,6 +361,8 @@ bool bf16_dot_supported() {
   return false;
 #endif
 }
+
+namespace {
 
 // keys_p[tile][d / 2][lane]: key (tile * kLanes + lane), dimensions d and d + 1, as a bf16
 // pair; values_p[tile][j][x]: tokens (tile * kLanes + 2j) and the next one, value entry x.
@@ -407,12 +414,12 @@ void pair_keys_values(const T* keys, const T* values, const int64_t* table,
 struct Chunk {
   int64_t num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, token_stride;
   int64_t num_key_tiles, rows_per_head, first_pos;
-  torch::Tensor table;
+  at::Tensor table;
   const int64_t* table_ptr;
 };
 
-Chunk check_chunk(const torch::Tensor& q, const torch::Tensor& key_cache,
-                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
+Chunk check_chunk(const at::Tensor& q, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_table,
                   int64_t context_len, c10::ScalarType q_dtype, const char* name) {
   TORCH_CHECK(q.dtype() == q_dtype, name, ": q in ", c10::toString(q_dtype));
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
@@ -426,7 +433,7 @@ Chunk check_chunk(const torch::Tensor& q, const torch::Tensor& key_cache,
               name, ": head shapes");
   TORCH_CHECK(c.head_dim == 2 * kLanes || c.head_dim == 4 * kLanes || c.head_dim == 8 * kLanes,
               name, ": head_dim ", c.head_dim, " is not 2, 4 or 8 vectors of ", kLanes);
-  c.table = block_table.to(torch::kInt64).contiguous();
+  c.table = block_table.to(at::kLong).contiguous();
   TORCH_CHECK(context_len >= c.num_tokens && c.num_tokens >= 1 &&
                   c.table.numel() * c.block_size >= context_len,
               name, ": context_len");
@@ -475,12 +482,12 @@ void for_each_tile(const Chunk& c, Attend attend, Begin begin_thread = {}, End e
 
 }  // namespace
 
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache,
-                                      torch::Tensor value_cache, torch::Tensor block_table,
-                                      int64_t context_len, double scale) {
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor key_cache,
+                                   at::Tensor value_cache, at::Tensor block_table,
+                                   int64_t context_len, double scale) {
   const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
-                              torch::kFloat32, "paged_prefill_attention");
-  auto out = torch::empty_like(q);
+                              at::kFloat, "paged_prefill_attention");
+  auto out = at::empty_like(q);
   with_cache_type(key_cache, value_cache, "paged_prefill_attention", [&](auto element) {
     using T = decltype(element);
     const TileFn<T> attend = tile_for<T>(c.head_dim);
@@ -525,8 +532,8 @@ struct PairedCache {
   int64_t head_words;  // a KV head's words in either
 };
 
-PairedCache pair_cache(const Chunk& c, const torch::Tensor& key_cache,
-                       const torch::Tensor& value_cache, int64_t context_len,
+PairedCache pair_cache(const Chunk& c, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, int64_t context_len,
                        int64_t key_tiles, const char* name) {
   const int64_t tile_words = c.head_dim / 2 * kLanes;  // a key tile, and a value tile
   const int64_t words = c.num_kv_heads * key_tiles * tile_words;
@@ -564,7 +571,7 @@ PairedCache pair_cache(const Chunk& c, const torch::Tensor& key_cache,
 // Runs attend(rows, outs, first word of the KV head, num_rows) on tiles of Rows query rows
 // of bf16 q, writing bf16 out
 template <int Rows, class Attend, class Begin = NoHook, class End = NoHook>
-void for_each_bf16_tile(const Chunk& c, const torch::Tensor& q, torch::Tensor& out,
+void for_each_bf16_tile(const Chunk& c, const at::Tensor& q, at::Tensor& out,
                         int64_t head_words, Attend attend, Begin begin = {}, End end = {}) {
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>());
@@ -589,12 +596,12 @@ void for_each_bf16_tile(const Chunk& c, const torch::Tensor& q, torch::Tensor& o
 // rounded to bf16; scores, softmax and sums in float32), bf16 out: `bf16_dot` on
 // AVX512-BF16's dot product (bf16_dot_supported()), else on float multiply-adds that give
 // the same sums.
-torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache,
-                                           torch::Tensor value_cache, torch::Tensor block_table,
-                                           int64_t context_len, double scale, bool bf16_dot) {
+at::Tensor paged_prefill_attention_bf16(at::Tensor q, at::Tensor key_cache,
+                                        at::Tensor value_cache, at::Tensor block_table,
+                                        int64_t context_len, double scale, bool bf16_dot) {
   const char* name = "paged_prefill_attention_bf16";
   const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
-                              torch::kBFloat16, name);
+                              at::kBFloat16, name);
   TORCH_CHECK(!bf16_dot || bf16_dot_supported(), name, ": this CPU or build has no bf16 dot product");
 #if EMBER_BF16_DOT
   const auto attend = bf16_dot ? native::tile_bf16_for(c.head_dim) : plain::tile_bf16_for(c.head_dim);
@@ -620,12 +627,12 @@ torch::Tensor paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor key_ca
 // The same attention (bf16 q, keys, values and weights; float32 scores, softmax and sums)
 // on AMX tiles, where amx_supported(): the products summed in another order than the
 // kernel above, so the results differ from it by float32 rounding.
-torch::Tensor paged_prefill_attention_amx(torch::Tensor q, torch::Tensor key_cache,
-                                          torch::Tensor value_cache, torch::Tensor block_table,
-                                          int64_t context_len, double scale) {
+at::Tensor paged_prefill_attention_amx(at::Tensor q, at::Tensor key_cache,
+                                       at::Tensor value_cache, at::Tensor block_table,
+                                       int64_t context_len, double scale) {
   const char* name = "paged_prefill_attention_amx";
   const Chunk c = check_chunk(q, key_cache, value_cache, block_table, context_len,
-                              torch::kBFloat16, name);
+                              at::kBFloat16, name);
   TORCH_CHECK(amx_supported(), name, ": this CPU or build has no AMX tiles");
   TORCH_CHECK(scale > 0, name, ": scale must be positive");
 #if EMBER_BF16_DOT
@@ -646,20 +653,6 @@ torch::Tensor paged_prefill_attention_amx(torch::Tensor q, torch::Tensor key_cac
       [] { amx::configure_tiles(); }, [] { amx::release_tiles(); });
   return out;
 #else
-  return torch::Tensor();
+  return at::Tensor();
 #endif
-}
-
-void register_prefill_attention(pybind11::module& m) {
-  m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal prefill attention of one chunk over a paged KV cache (CPU, float32 q, a float32 or bfloat16 cache)");
-  m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
-        "the same on bf16 q in bf16 products, bf16 out (bf16_dot: AVX512-BF16's dot product)");
-  m.def("paged_prefill_attention_amx", &paged_prefill_attention_amx,
-        "the same on AMX tiles (where amx_supported())");
-  m.def("amx_supported", &amx_supported,
-        "whether this build and CPU run the AMX attention (and Linux granted the tile state)");
-  m.def("bf16_dot_supported", &bf16_dot_supported,
-        "whether this build and CPU multiply bf16 pairs natively (AVX512-BF16)");
-  m.attr("prefill_head_dims") = std::vector<int64_t>{2 * kLanes, 4 * kLanes, 8 * kLanes};
 }

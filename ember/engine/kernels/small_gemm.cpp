@@ -10,7 +10,7 @@
 //            k ->  [16 floats]
 //   W rows j..j+3  w0 w1 w2 w3          acc[m][r] += x[m][k:k+16] * w_r[k:k+16]
 //   x rows 0..M-1  x0 .. x(M-1)         y[m][j+r]  = sum(acc[m][r])
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include "simd.h"
@@ -81,26 +81,21 @@ bool small_gemm_supported(int64_t rows, int64_t in_features, int64_t out_feature
   return rows >= 1 && rows <= 8 && in_features % 16 == 0 && out_features % 4 == 0;
 }
 
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 &&
-                  (weight.dtype() == torch::kFloat32 || weight.dtype() == torch::kBFloat16),
+at::Tensor small_gemm(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == at::kFloat &&
+                  (weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16),
               "small_gemm: float32 x, float32 or bfloat16 weight");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_gemm: contiguous");
   const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
   TORCH_CHECK(small_gemm_supported(rows, k_dim, n_dim) && weight.size(1) == k_dim,
               "small_gemm: 1-8 rows, in_features % 16 == 0, out_features % 4 == 0");
-  auto y = torch::empty({rows, n_dim}, x.options());
+  auto y = at::empty({rows, n_dim}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (weight.dtype() == torch::kBFloat16)
+  if (weight.dtype() == at::kBFloat16)
     small_gemm_rows(rows, xp, weight.data_ptr<c10::BFloat16>(), yp, k_dim, n_dim);
   else
     small_gemm_rows(rows, xp, weight.data_ptr<float>(), yp, k_dim, n_dim);
   if (bias.has_value()) y.add_(*bias);
   return y;
-}
-
-void register_small_gemm(pybind11::module& m) {
-  m.def("small_gemm", &small_gemm, "x W^T (+ b) for 1-8 rows of x");
-  m.def("small_gemm_supported", &small_gemm_supported, "whether small_gemm takes these shapes");
 }
