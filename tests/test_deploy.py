@@ -64,7 +64,8 @@ def test_each_overlay_renders_and_validates(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_container_commands_parse_and_the_router_finds_every_worker(overlay):
-    from ember.cli import build_parser, engine_options
+    from ember.cli import build_parser
+    from ember.engine_args import engine_options
     from ember.router.members import DnsTarget
 
     objects = render(overlay)

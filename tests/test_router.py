@@ -212,7 +212,8 @@ def test_router_keeps_sessions_home_and_survives_a_dead_worker(cluster):
 )  # fmt: skip
 def test_ember_up_hands_each_engine_option_to_its_workers(flags):
     """Every engine option of `ember up` (on or off, default or not) reaches `ember serve`."""
-    from ember.cli import build_parser, engine_options
+    from ember.cli import build_parser
+    from ember.engine_args import engine_options
     from ember.router.up import worker_flags
 
     parser = build_parser()

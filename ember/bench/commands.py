@@ -78,7 +78,7 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_startup_args(parser: argparse.ArgumentParser) -> None:
-    from ember.cli import add_model_arg
+    from ember.engine_args import add_model_arg
 
     add_model_arg(parser)
     parser.add_argument(

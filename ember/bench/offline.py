@@ -107,7 +107,7 @@ def bench_transformers(llm, args, batch_size: int = 16) -> dict:
 
 def run_offline(args: argparse.Namespace) -> int:
     from ember import LLM
-    from ember.cli import engine_options
+    from ember.engine_args import engine_options
 
     if args.threads:
         torch.set_num_threads(args.threads)
