@@ -661,3 +661,26 @@ def test_ember_cpu_isa_forces_a_build_and_refuses_one_the_cpu_cannot_run(monkeyp
         ValueError, match=r"EMBER_CPU_ISA=avx512: .*lacks avx512bw, .*runs avx2, generic"
     ):
         module.selected_isa()
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 40, 49152])
+def test_argmax_rows_is_torchs_argmax_with_ties_nans_and_infinities(width, kernels):
+    """Each row's first maximum (the first NaN where a row has one), as torch's argmax
+    gives it, on rows of every width (a vector's and past it), ties everywhere, infinities,
+    rows of -inf alone, NaNs anywhere, strided rows."""
+    generator = torch.Generator().manual_seed(width)
+    for _ in range(10):
+        rows = torch.randint(0, 3, (9, width), generator=generator).float()
+        rows[1] = -float("inf")
+        rows[2, torch.randint(0, width, (2,), generator=generator)] = float("inf")
+        rows[3, torch.randint(0, width, (3,), generator=generator)] = float("nan")
+        rows[4, -1] = float("nan")
+        rows[5] = torch.randn(width, generator=generator)
+        assert torch.equal(kernels.argmax_rows(rows), rows.argmax(dim=-1))
+        wide = torch.randn(4, width + 5, generator=generator)[:, 2 : 2 + width]  # strided
+        assert torch.equal(kernels.argmax_rows(wide), wide.argmax(dim=-1))
+    assert kernels.argmax_rows(torch.zeros(0, width)).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.argmax_rows(torch.zeros(2, width, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.zeros(width, 2).t())

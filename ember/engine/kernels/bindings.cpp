@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_split_rows", &linear_split_rows,
         "oneDNN's packed matmul on row ranges at once, a thread each");
   m.def("write_kv", &write_kv, "store k, v at cache slots");
+  m.def("argmax_rows", &argmax_rows,
+        "each row's argmax (the first of equal maxima; the first NaN), as torch's argmax");
 
   // decode_layer.cpp
   m.def(

@@ -22,6 +22,7 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor key_cache, at::Tensor value
               at::Tensor slots);
 at::Tensor linear_split_rows(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                              int64_t parts);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 // small_gemm.cpp
 bool small_gemm_supported(int64_t rows, int64_t in_features, int64_t out_features);
