@@ -43,14 +43,20 @@ def free_port_run(count: int = 8) -> int:
     draw = random.Random()
     for _ in range(100):
         first = draw.randrange(10_000, max(10_001, ephemeral - count))
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
+        if _bindable(("127.0.0.1", port) for port in range(first, first + count)):
+            return first
     raise AssertionError(f"no {count} consecutive free ports")
+
+
+def _bindable(addresses) -> bool:
+    """Whether every (host, port) of `addresses` can be bound now."""
+    try:
+        for address in addresses:
+            with socket.socket() as sock:
+                sock.bind(address)
+    except OSError:
+        return False
+    return True
 
 
 def pid_alive(pid: int) -> bool:
@@ -259,11 +265,6 @@ def free_port_on(*hosts: str) -> int:
     """A port free on every one of `hosts` (loopback addresses) now."""
     for _ in range(100):
         port = free_port()
-        try:
-            for host in hosts:
-                with socket.socket() as sock:
-                    sock.bind((host, port))
-        except OSError:
-            continue
-        return port
+        if _bindable((host, port) for host in hosts):
+            return port
     raise AssertionError(f"no port free on all of {hosts}")

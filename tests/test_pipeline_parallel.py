@@ -177,7 +177,8 @@ def test_a_transfer_gloo_refuses_at_once_fails_the_engine_cleanly(monkeypatch) -
             raise AssertionError("not reached")
 
     class Executor:
-        failed = []
+        def __init__(self) -> None:
+            self.failed: list[tuple[str, str]] = []  # each failed call's (what, exc)
 
         def send(self, message) -> None:
             pass
