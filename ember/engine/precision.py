@@ -68,11 +68,12 @@ def _auto(config: EngineConfig, tiled_share: float) -> tuple[str, str]:
     if cpu_has_amx():
         return "bf16", "steps of 16+ tokens run in bf16 (AMX)"
     int8_pays = tiled_share >= TILED_SHARE_FOR_INT8 and config.decode_activations != "fp32"
-    if int8_pays and cpu_int8_outruns_fp32(cpu_kernels()):
+    kernels = cpu_kernels()
+    if int8_pays and cpu_int8_outruns_fp32(kernels):
         attention = "bf16" if bf16_chunk_attention("int8") else "fp32"
         return "int8", (
             "steps of 16+ tokens multiply GGUF blocks that tile on int8 activations "
-            f"({cpu_kernels().tiles_vnni_name()}), other matmuls in fp32, prompts attending "
+            f"({kernels.tiles_vnni_name()}), other matmuls in fp32, prompts attending "
             f"in {attention}"
         )
     if cpu_bf16_outruns_fp32():

@@ -1,22 +1,12 @@
 // The kernels' Python module: every function the other sources define (kernels.h), bound
 // here, the one source that parses torch/extension.h (see kernels.h).
+#include <pybind11/functional.h>  // decode_layer's reduce: a callable, or None
 #include <torch/extension.h>
 
 #include "kernels.h"
 #include "simd.h"
 
 namespace py = pybind11;
-
-namespace {
-
-// decode_layer's reduce from Python: None, or a callable taking the tensor (tensor
-// parallel), called where the kernel calls it, with the GIL held as in the whole call
-Reduce from_python(const py::object& reduce) {
-  if (reduce.is_none()) return {};
-  return [reduce](const at::Tensor& t) { reduce(t); };
-}
-
-}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = simd::kIsa;
@@ -36,23 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's argmax (the first of equal maxima; the first NaN), as torch's argmax");
 
   // decode_layer.cpp
-  m.def(
-      "decode_layer",
-      [](at::Tensor hidden, at::Tensor residual, bool first, const std::vector<at::Tensor>& weights,
-         const std::vector<c10::optional<at::Tensor>>& packed,
-         const std::vector<std::vector<at::Tensor>>& blocks,
-         const c10::optional<at::Tensor>& qkv_bias, double eps, int64_t num_heads,
-         int64_t num_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
-         const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slots,
-         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-         int64_t packed_min_rows, int64_t block_max_rows,
-         const std::vector<int64_t>& int8_max_rows, const py::object& reduce) {
-        return decode_layer(hidden, residual, first, weights, packed, blocks, qkv_bias, eps,
-                            num_heads, num_kv_heads, cos, sin, key_cache, value_cache, slots,
-                            block_tables, context_lens, scale, packed_min_rows, block_max_rows,
-                            int8_max_rows, from_python(reduce));
-      },
-      "one decoder layer for a decode-only batch");
+  m.def("decode_layer", &decode_layer, "one decoder layer for a decode-only batch");
   // module_local: each ISA's build is its own extension module, and one process may load
   // several (the tests do); a type registered globally would clash with the next one's
   py::class_<DecodeLayerArgs, std::shared_ptr<DecodeLayerArgs>>(
@@ -69,18 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             std::move(weights), std::move(packed), std::move(blocks), std::move(qkv_bias),
             block_max_rows, std::move(int8_max_rows)});
       }));
-  m.def(
-      "decode_layers",
-      [](at::Tensor hidden, const std::vector<std::shared_ptr<DecodeLayerArgs>>& layers,
-         const std::vector<at::Tensor>& kv_caches, double eps, int64_t num_heads,
-         int64_t num_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
-         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
-         double scale, int64_t packed_min_rows, const py::object& reduce) {
-        return decode_layers(hidden, layers, kv_caches, eps, num_heads, num_kv_heads, cos, sin,
-                             slots, block_tables, context_lens, scale, packed_min_rows,
-                             from_python(reduce));
-      },
-      "every layer of a decode-only step (DecodeLayerArgs)");
+  m.def("decode_layers", &decode_layers, "every layer of a decode-only step (DecodeLayerArgs)");
 
   // small_gemm.cpp
   m.def("small_gemm", &small_gemm, "x W^T (+ b) for 1-8 rows of x");

@@ -59,8 +59,8 @@ bool bf16_dot_supported();
 std::vector<int64_t> prefill_head_dims();
 
 // decode_layer.cpp
-// Sums a tensor over the tensor-parallel ranks in place (a Python callable, called with
-// the GIL held), or empty: one rank.
+// Sums a tensor over the tensor-parallel ranks in place (a Python callable, from
+// pybind11's std::function caster), or empty (None): one rank.
 using Reduce = std::function<void(const at::Tensor&)>;
 // One layer's unchanging arguments to decode_layer, made once (decode_layers' list).
 struct DecodeLayerArgs {

@@ -240,7 +240,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
               "silu_and_mul: 2-D [T, 2I] with contiguous rows");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto out = gate_up.dtype() == at::kBFloat16 ? empty_padded_rows(rows, inter, gate_up.options())
-                                                 : at::empty({rows, inter}, gate_up.options());
+                                              : at::empty({rows, inter}, gate_up.options());
   if (gate_up.dtype() == at::kFloat) {
     silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows, inter);
   } else {
