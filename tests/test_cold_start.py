@@ -123,15 +123,19 @@ def test_the_prefaulter_takes_every_page_and_changes_no_byte(shm, madvise, monke
             tensors[3][0, 511, 15, 1].copy_(torch.arange(64.0))
 
         write(layers)  # (no read of the rest: a read maps the zero page, "resident")
-        prefaulter = buffers.Prefaulter(layers, slice_bytes=100 * 64 << 10)  # 64 KiB a block
+        # 8 parts (4 layers' keys and values), 8 KiB of each a block: ranges of 100 blocks,
+        # one piece a step (no time to spare)
+        prefaulter = buffers.Prefaulter(layers, range_bytes=100 * 8 << 10, slice_seconds=0)
         if not madvise:
             prefaulter._madvise = None
-        assert prefaulter.blocks_per_step == 100 and not prefaulter.done
-        steps = 0
+        assert prefaulter.blocks_per_range == 100 and not prefaulter.done
+        steps, resident = 0, 0
         while prefaulter.step():
             steps += 1
-            assert resident_bytes(layers) < sum(t.nbytes for t in layers)
-        assert steps + 1 == 6 and prefaulter.done and not prefaulter.step()  # 512 / 100
+            now = resident_bytes(layers)
+            assert resident < now < sum(t.nbytes for t in layers)  # a piece a step
+            resident = now
+        assert steps + 1 == 6 * 8 and prefaulter.done and not prefaulter.step()  # 512 / 100
         assert resident_bytes(layers) == sum(t.nbytes for t in layers)
         expected = [torch.zeros_like(t) for t in layers]
         write(expected)
@@ -164,6 +168,20 @@ def test_an_idle_engine_takes_its_pool_ahead_of_use_and_generates_the_same(tiny_
         finally:
             core.close()
     assert len(tokens[True]) == 8 and tokens[True] == tokens[False]
+
+
+def test_a_prefaulter_step_takes_pieces_until_its_time_is_spent(monkeypatch):
+    monkeypatch.setenv("EMBER_HUGE_PAGES", "0")
+    layers, _ = buffers.allocate(kv_shape(512), 4, torch.float32, "cpu", shm=False)
+    clock = iter(range(1000))  # each look at the clock: one second later
+    monkeypatch.setattr(buffers.time, "perf_counter", lambda: float(next(clock)))
+    prefaulter = buffers.Prefaulter(layers, range_bytes=100 * 8 << 10, slice_seconds=3)
+    prefaulter.step()  # the deadline at 3: pieces end at 1, 2, 3
+    assert (prefaulter.next_block, prefaulter.next_part) == (0, 3)
+    assert resident_bytes(layers) == 3 * 100 * (8 << 10)
+    prefaulter.slice_seconds = 100
+    assert not prefaulter.step() and prefaulter.done  # all 45 pieces left, in one step
+    assert resident_bytes(layers) == sum(t.nbytes for t in layers)
 
 
 def rss_anon_bytes(pid: int) -> int:

@@ -15,8 +15,8 @@ Nothing is written at allocation: on CPU the tensors are views of an anonymous m
 step first writes to them. A 4 GB pool costs no time and no memory at start. Pages taken
 inside a step are dear, though (measured on a 2-core VM: 180k page faults cost a
 40-request trace 1.2-2 s of its ~10 s), so an idle engine hands the pool its pages ahead
-of use, a slice of blocks at a time, lowest block ids first (the order the block pool
-gives them out): `Prefaulter`. The anonymous mapping is advised onto 2 MB pages
+of use, a couple of milliseconds at a time, lowest block ids first (the order the block
+pool gives them out): `Prefaulter`. The anonymous mapping is advised onto 2 MB pages
 (`EMBER_HUGE_PAGES`, as the decode weights are). On CUDA the pool is zeroed (a device memset, about a
 millisecond per 10 GB): the SDPA decode path reads the masked-off tail of a sequence's
 last block, and a masked NaN left by an earlier allocation would still poison it.
@@ -31,6 +31,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -230,17 +231,31 @@ class DeviceBlocks:
 
 class Prefaulter:
     """Takes the pages of a CPU KV pool's blocks before any step writes to them, `step()`
-    by `step()`: each call covers the next `blocks_per_step` block ids in every layer
-    (about 8 ms per 32 MB on the dev box). Contents are never changed: the kernel's
-    MADV_POPULATE_WRITE faults pages in as they are; where that is missing, each page
-    gets a byte ORed with 0. Call it only between steps (the engine core's own thread)."""
+    by `step()`. The work is a list of pieces, lowest block ids first: each range of
+    blocks that `range_bytes` of one part (a layer's keys or values) holds, in every part
+    in turn; a step takes pieces until `slice_seconds` have passed (at least one), so
+    that a request arriving meanwhile waits about that long, whatever taking a page
+    costs on this machine (8 ms per 32 MB on one 2-core box, 70 on a fresh VM whose host
+    hands out its memory on first touch, where 32 MB slices held the first chat
+    completions after a start back by 50-150 ms). Contents are never changed: the
+    kernel's MADV_POPULATE_WRITE faults pages in as they are; where that is missing, each
+    page gets a byte ORed with 0. Call it only between steps (the engine core's own
+    thread)."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], slice_bytes: int = 32 << 20) -> None:
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        range_bytes: int = 2 << 20,
+        slice_seconds: float = 0.002,
+    ) -> None:
         self.layers = [layer for layer in kv_caches if layer.device.type == "cpu"]
+        self.parts = [part for layer in self.layers for part in layer]
         self.num_blocks = self.layers[0].shape[1] if self.layers else 0
-        per_block = block_bytes(self.layers)
-        self.blocks_per_step = max(1, slice_bytes // per_block) if per_block else 1
-        self.next_block = 0
+        part_block = max((part[0].nbytes for part in self.parts), default=0)
+        self.blocks_per_range = max(1, range_bytes // part_block) if part_block else 1
+        self.slice_seconds = slice_seconds
+        self.next_block = 0  # the first block of the range being taken
+        self.next_part = 0  # the part of that range taken next
         self._madvise = _libc_madvise()
 
     @property
@@ -248,15 +263,16 @@ class Prefaulter:
         return self.next_block >= self.num_blocks
 
     def step(self) -> bool:
-        """Faults in the next slice; False once the whole pool has its pages."""
-        if self.done:
-            return False
-        first = self.next_block
-        last = min(first + self.blocks_per_step, self.num_blocks)
-        for layer in self.layers:
-            for part in layer:
-                self._populate(part[first:last])
-        self.next_block = last
+        """Faults in the next pieces; False once the whole pool has its pages."""
+        deadline = time.perf_counter() + self.slice_seconds
+        while not self.done:
+            last = min(self.next_block + self.blocks_per_range, self.num_blocks)
+            self._populate(self.parts[self.next_part][self.next_block : last])
+            self.next_part += 1
+            if self.next_part == len(self.parts):
+                self.next_part, self.next_block = 0, last
+            if time.perf_counter() >= deadline:
+                break
         return not self.done
 
     def _populate(self, part: torch.Tensor) -> None:
