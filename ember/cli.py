@@ -33,6 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    startup.hold_collector()  # until the server listens (http_server._started)
     from ember.engine.core_client import EngineDeadError
     from ember.server.run import serve
 

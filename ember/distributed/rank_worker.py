@@ -22,7 +22,7 @@ import sys
 import msgspec
 import zmq
 
-from ember import envs
+from ember import envs, startup
 from ember.distributed import executor as ex
 from ember.distributed.nodes import STORE_KEY, Link, Nodes, node_secret, node_store
 from ember.engine.core_proc import die_with_parent
@@ -60,6 +60,7 @@ def serve(rank: int, args: argparse.Namespace, channel: Channel) -> None:
     runner = ModelRunner(
         config, model_config, checkpoint, setup.max_model_len, group=group, stage=stage
     )
+    startup.release_collector()
     pieces = [tuple(piece) for piece in runner.kv_pieces]
     channel.send(ex.Ready(rank, runner.kv_block_bytes, runner.weight_bytes(), pieces))
     model = runner.model
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dist-init-addr", help="HOST:PORT of rank 0's store (several nodes)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    startup.hold_collector()  # until its model is loaded (serve)
     logging.basicConfig(
         level=envs.log_level(),
         format=f"%(asctime)s %(levelname)s %(name)s[rank {args.rank}]: %(message)s",

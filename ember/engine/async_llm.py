@@ -5,7 +5,8 @@ core process (EngineCoreClient, ZeroMQ), and turns the core's token ids back int
 (OutputProcessor) in a reader thread, so neither HTTP work nor detokenization ever
 stalls the engine loop, and the event loop never waits on the engine.
 
-Life cycle: `AsyncLLM(...)` starts the core and waits until it is ready; `generate()`
+Life cycle: `AsyncLLM(...)` starts the core and waits until it is ready (given
+`wait=False`, `connect()` waits); `generate()`
 (or `add_request()`, which sends at once and returns a `RequestStream`) yields a
 RequestOutput per engine step (with `delta_*` fields) until the request finishes;
 leaving the iterator early (client gone, task cancelled) aborts the request and frees
@@ -122,6 +123,7 @@ class AsyncLLM:
         *,
         core: EngineCoreClient | None = None,
         restarts: int = 0,
+        wait: bool = True,
         **options,
     ) -> None:
         if core is None:
@@ -150,22 +152,6 @@ class AsyncLLM:
         }
         self.kv_store = config.kv_store  # the cluster tier it shares, if any
         self.client = core  # loads the model while we load the tokenizer
-        try:
-            checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
-            self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-            self.tokenizer = checkpoint.tokenizer()
-            startup.mark("tokenizer")
-            ready = self.client.wait_ready()
-            startup.mark("core ready")
-        except BaseException:
-            self.client.shutdown()
-            raise
-        self.max_model_len = ready.max_model_len
-        self.core_startup = ready.startup  # the core's start-up phases (ember.startup)
-        self.input_processor = InputProcessor.for_model(
-            self.tokenizer, self.model_config, self.max_model_len
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()  # guards the output processor and the sinks
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
@@ -179,10 +165,31 @@ class AsyncLLM:
         self.num_restarts = 0
         self.restarting = False
         self.on_gone: Callable[[], None] | None = None  # called when no restart is left
-        blocks = self.client.ready.num_kv_blocks
-        self._stats = EngineStats(0, 0, 0, 0, blocks, 0, 0)
         self._expert_tokens: list[tuple[int, list[int]]] = []
         self._reader = threading.Thread(target=self._read_loop, name="ember-output", daemon=True)
+        try:
+            checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read
+            self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+            self.tokenizer = checkpoint.tokenizer()
+            # (max_model_len is the core's, once it is ready)
+            self.input_processor = InputProcessor.for_model(self.tokenizer, self.model_config, 0)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            startup.mark("tokenizer")
+            if wait:
+                self.connect()
+        except BaseException:
+            self.client.shutdown()
+            raise
+
+    def connect(self) -> None:
+        """Waits until the engine core is ready, then starts taking its outputs. The
+        constructor does it, unless given `wait=False`: `ember serve` builds its app and
+        its HTTP server's config first, while the core still loads."""
+        ready = self.client.wait_ready()  # (a failure: shutdown() stops the core)
+        startup.mark("core ready")
+        self.max_model_len = self.input_processor.max_model_len = ready.max_model_len
+        self.core_startup = ready.startup  # the core's start-up phases (ember.startup)
+        self._stats = EngineStats(0, 0, 0, 0, ready.num_kv_blocks, 0, 0)
         self._reader.start()
 
     @property
@@ -351,7 +358,8 @@ class AsyncLLM:
         self.fail_all("engine has shut down")
         self._stopping = True
         self._stop.set()
-        self._reader.join(timeout=10)
+        if self._reader.is_alive():  # (not started: connect() never returned)
+            self._reader.join(timeout=10)
         self.client.shutdown()
         if self._error is None:
             self._error = EngineDeadError("engine has shut down")

@@ -120,6 +120,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup.hold_collector()  # until the model is loaded
     parser = argparse.ArgumentParser(prog="ember-engine-core")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--input", required=True, help="zmq address to pull requests from")
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore.from_config(config)
         proc = EngineCoreProc(core, input_socket, output_socket)
         signal.signal(signal.SIGTERM, lambda *_: setattr(proc, "stopping", True))
+        startup.release_collector()
         startup.mark("ready")
         ready = EngineReady(core.max_model_len, core.kv_cache.num_blocks, startup.marks())
         output_socket.send(encoder.encode(ready))

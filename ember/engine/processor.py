@@ -39,7 +39,13 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.max_prompt_chars = _max_prompt_chars(tokenizer, max_model_len)
+        self.longest_token = _longest_token(tokenizer)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A length no text of at most max_model_len tokens reaches: that many of the
+        longest token, twice over (normalizers may fold a few characters into one)."""
+        return 2 * self.longest_token * self.max_model_len
 
     @classmethod
     def for_model(cls, tokenizer, model_config: ModelConfig, max_model_len: int) -> InputProcessor:
@@ -225,10 +231,8 @@ class InputProcessor:
         return params.max_tokens
 
 
-def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
-    """A length no text of at most max_model_len tokens reaches: that many of the longest
-    token, twice over (normalizers may fold a few characters into one)."""
+def _longest_token(tokenizer) -> int:
+    """Characters of the tokenizer's longest token (0: no tokenizer)."""
     if tokenizer is None:
         return 0
-    longest = max(map(len, tokenizer.get_vocab()), default=1)
-    return 2 * longest * max_model_len
+    return max(map(len, tokenizer.get_vocab()), default=1)

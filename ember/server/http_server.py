@@ -47,7 +47,7 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
     if args.register:  # checked before the frontend starts
         url = advertised_url(args.host, args.port, args.advertise_url)
         registration = Registration(args.register, url, args.role, envs.cluster_secret())
-    llm = AsyncLLM(core=core, restarts=args.engine_restarts)
+    llm = AsyncLLM(core=core, restarts=args.engine_restarts, wait=False)
     try:
         parsers = resolve_parsers(llm.tokenizer, args.tool_call_parser, args.reasoning_parser)
         logger.info("tool-call parser %s, reasoning parser %s", parsers.tool, parsers.reasoning)
@@ -63,6 +63,8 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
             **uvicorn_options(args.read_timeout, args.max_connections),
         )
+        config.load()  # (its protocol classes imported) while the core still loads
+        llm.connect()
         started = functools.partial(_started, app.state.metrics, llm.core_startup, registration)
         server = _Server(config, llm, args.shutdown_timeout, started, registration)
         llm.on_gone = server.engine_gone
@@ -76,6 +78,7 @@ def run_http(args: argparse.Namespace, core: EngineCoreClient) -> int:
 
 
 def _started(metrics: ServerMetrics, core_marks: list[startup.Mark], registration) -> None:
+    startup.release_collector()
     _report_startup(metrics, core_marks)
     if registration is not None:
         registration.start()
