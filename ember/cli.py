@@ -33,7 +33,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    startup.hold_collector()  # until the server listens (http_server._started)
     from ember.engine.core_client import EngineDeadError
     from ember.server.run import serve
 
@@ -43,8 +42,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         config = EngineConfig(**engine_options(args))  # the layout checked as the head's
         return run_node(Nodes.of(config), args.node_rank)
+    startup.hold_collector()  # until the server listens (http_server._started)
     try:
-        return serve(args, engine_options(args))
+        return serve(args, engine_options(args), args.early_core)
     except EngineDeadError as exc:
         print(f"ember: error: {exc}", file=sys.stderr)
         return 1
@@ -162,12 +162,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def early_core(argv: list[str]):
+    """For `ember serve` (but another node's ranks, or its help): its engine core, started
+    before the flags are read (EngineCoreClient(None)), since importing torch is most of
+    a start; None for any other command. (Flags that fail their checks stop it again.)"""
+    if argv[:1] != ["serve"] or any(
+        arg in ("-h", "--help") or arg.startswith("--node-rank") for arg in argv
+    ):
+        return None
+    from ember.engine.core_client import EngineCoreClient
+
+    return EngineCoreClient(None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    core = early_core(argv)
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
     args = build_parser().parse_args(argv)
+    args.early_core = core
     startup.mark("args")
     try:
         return args.func(args)

@@ -8,7 +8,7 @@ the API process shows both processes' on one clock, as seconds since it began: o
 line when it is ready, and `ember_startup_seconds` / `ember_startup_cpu_seconds`
 `{process, phase}` in /metrics (`ember bench startup` reads them).
 
-    api   start | args | core spawned | server imported | tokenizer | core ready | http
+    api   start | args | core configured | server imported | tokenizer | core ready | http
     core    start | imports | model built | weights | packed | kv cache | ready
 
 A phase's cost is the time since the previous mark of the same process; the two

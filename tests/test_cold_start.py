@@ -4,17 +4,22 @@ use, and the API process of `ember serve` loads no torch. (`test_bench_startup.p
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from ember import startup
 from ember.config import EngineConfig
+from ember.engine import core_client
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
 from ember.kv import buffers
@@ -268,3 +273,118 @@ def test_weights_are_read_through_a_mapping_made_again_every_window(tiny_checkpo
     assert len(opened) >= total // (16 << 10) // 2  # many windows, not one mapping
     windowed = LLM(str(path), kv_cache_memory=1 << 24).generate([[5, 6, 7, 8]], greedy)
     assert windowed[0].outputs[0].token_ids == whole[0].outputs[0].token_ids
+
+
+def _processes_with(needle: str) -> list[int]:
+    """Live processes whose command line holds `needle`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and needle.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_ember_serve_starts_its_core_before_it_reads_its_flags(tiny_checkpoint):
+    server = EmberServer(str(tiny_checkpoint("llama")))
+    try:
+        phases = {}
+        for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("ember_startup_seconds{"):
+                labels, value = line[len("ember_startup_seconds{") :].split("} ")
+                fields = dict(part.split("=") for part in labels.split(","))
+                phases[fields["process"].strip('"'), fields["phase"].strip('"')] = float(value)
+        assert phases["core", "start"] < phases["api", "args"] < phases["api", "core configured"]
+        body = {"model": str(tiny_checkpoint("llama")), "prompt": [5, 6, 7], "max_tokens": 2}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body | {"ignore_eos": True})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("flag", ["--engine-restarts=-1", "--no-such-flag"])
+def test_flags_that_fail_stop_the_core_started_before_them(tiny_checkpoint, flag):
+    """A flag refused by its check (a ValueError) or by the parser (argparse's exit):
+    exit code 2 naming it, and the core started ahead of the flags is gone with the API
+    process, its sockets too (both named by the API process's pid)."""
+    api = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli", "serve", str(tiny_checkpoint("llama")), flag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = api.communicate(timeout=120)
+    assert api.returncode == 2
+    assert flag.split("=")[0] in stderr
+    ours = f"{core_client.SOCKET_DIR_PREFIX}{api.pid}-"
+    assert _processes_with(ours) == []
+    assert [p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(ours)] == []
+
+
+def test_a_core_whose_frontend_gives_no_config_exits_quietly():
+    done = subprocess.run(
+        [sys.executable, "-m", "ember.engine.core_proc", "--config", "-",
+         "--input", "ipc:///nonexistent/in", "--output", "ipc:///nonexistent/out"],
+        input=b"",
+        capture_output=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"Traceback" not in done.stderr
+
+
+def test_a_core_started_ahead_serves_once_given_its_config(tiny_checkpoint):
+    from ember.engine.async_llm import AsyncLLM
+
+    client = core_client.EngineCoreClient(None)
+    assert client.config is None
+    client.start(EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24))
+    with pytest.raises(RuntimeError, match="has its config already"):
+        client.start(client.config)
+    llm = AsyncLLM(core=client, wait=False)  # the tokenizer before the core is ready
+    try:
+        assert llm.tokenizer is not None and llm.input_processor.max_model_len == 0
+        llm.connect()
+        assert llm.max_model_len == llm.input_processor.max_model_len > 0
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+        async def run():
+            async for output in llm.generate([5, 6, 7], params):
+                last = output
+            return last
+
+        assert len(asyncio.run(run()).outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    assert client.process.poll() is not None
+
+
+def test_a_frontend_shut_down_before_its_core_was_ready_leaves_nothing(tiny_checkpoint):
+    from ember.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM(str(tiny_checkpoint("llama")), wait=False, kv_cache_memory=1 << 24)
+    started = time.monotonic()
+    llm.shutdown()
+    assert llm.client.process.poll() is not None and time.monotonic() - started < 30
+    assert not os.path.exists(llm.client._dir)
+    unstarted = core_client.EngineCoreClient(None)
+    unstarted.shutdown()  # killed at once: it has no config to wind down
+    assert unstarted.process.poll() is not None
+
+
+def test_the_collector_is_on_after_a_start_and_skips_what_the_start_made():
+    import gc
+
+    startup.hold_collector()
+    try:
+        assert not gc.isenabled()
+        kept = [[] for _ in range(1000)]
+    finally:
+        startup.release_collector()
+    try:
+        assert gc.isenabled() and gc.get_freeze_count() >= len(kept)
+    finally:
+        gc.unfreeze()

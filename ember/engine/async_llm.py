@@ -166,6 +166,7 @@ class AsyncLLM:
         self.restarting = False
         self.on_gone: Callable[[], None] | None = None  # called when no restart is left
         self._expert_tokens: list[tuple[int, list[int]]] = []
+        self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0)  # (its KV blocks: the ready core's)
         self._reader = threading.Thread(target=self._read_loop, name="ember-output", daemon=True)
         try:
             checkpoint = open_checkpoint(config.model)  # tokenizer and config; no weights read

@@ -68,7 +68,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+    """`EngineCoreClient(config)` starts a core on `config`; `EngineCoreClient(None)` starts
+    one before the config is known (`ember serve` does, before it reads its flags: the
+    core's imports are most of a start), and `start(config)` hands it over later."""
+
+    def __init__(self, config: EngineConfig | None, startup_timeout: float = 600.0) -> None:
         self.config = config
         remove_stale_socket_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
@@ -89,17 +93,30 @@ class EngineCoreClient:
                 "-m",
                 "ember.engine.core_proc",
                 "--config",
-                msgspec.json.encode(config).decode(),
+                "-" if config is None else msgspec.json.encode(config).decode(),
                 "--input",
                 f"ipc://{self._dir}/input",
                 "--output",
                 f"ipc://{self._dir}/output",
             ],
             env=envs.engine_core_env(),
+            stdin=subprocess.PIPE if config is None else None,
         )
         atexit.register(self.shutdown)
         self._startup_timeout = startup_timeout
         self._ready: EngineReady | None = None
+
+    def start(self, config: EngineConfig) -> None:
+        """Hands a core started without a config its config (on its standard input, which
+        it reads once its imports are done)."""
+        if self.config is not None:
+            raise RuntimeError("this engine core has its config already")
+        self.config = config
+        try:
+            self.process.stdin.write(msgspec.json.encode(config) + b"\n")
+            self.process.stdin.close()
+        except OSError:  # the core is gone: wait_ready() says so
+            logger.debug("engine core took no config", exc_info=True)
 
     @property
     def alive(self) -> bool:
@@ -161,6 +178,8 @@ class EngineCoreClient:
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
+        if self.config is None:  # never given a config: nothing of it to wind down
+            self.process.kill()
         if self.process.poll() is None:
             try:
                 with self._send_lock:

@@ -122,7 +122,12 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 def main(argv: list[str] | None = None) -> int:
     startup.hold_collector()  # until the model is loaded
     parser = argparse.ArgumentParser(prog="ember-engine-core")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="EngineConfig as JSON; '-': a line of standard input, read after the imports "
+        "(a core started before its frontend had read its flags)",
+    )
     parser.add_argument("--input", required=True, help="zmq address to pull requests from")
     parser.add_argument("--output", required=True, help="zmq address to push outputs to")
     args = parser.parse_args(argv)
@@ -142,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         from ember.engine.core import EngineCore
 
         startup.mark("imports")
-        config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
+        text = sys.stdin.buffer.readline() if args.config == "-" else args.config.encode()
+        if not text.strip():  # the frontend stopped before it had a config to give
+            return 0
+        config = msgspec.json.decode(text, type=EngineConfig)
         core = EngineCore.from_config(config)
         proc = EngineCoreProc(core, input_socket, output_socket)
         signal.signal(signal.SIGTERM, lambda *_: setattr(proc, "stopping", True))
