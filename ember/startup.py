@@ -18,9 +18,10 @@ Python's cyclic garbage collector is held off while a server process starts
 (`hold_collector`, `release_collector`): importing torch and the HTTP stack makes a few
 hundred thousand objects that live as long as the process, and the collections that
 their allocation set off took 0.15-0.2 s of the engine core's imports (1.22 against 1.37
-s, 2-core EPYC). Released, those objects are frozen (`gc.freeze`): a full collection
-of the loaded engine core walked them for 90 ms, a stall of the step loop that now
-never comes. Objects made later are collected as before.
+s, 2-core EPYC). Released, those objects are frozen (`gc.freeze`): the first full
+collection while serving, which came within seconds of a start, walked them for 120-170
+ms in the engine core (a stall of the step loop) and 100-110 ms in the API process,
+0.1-1 ms once frozen. Objects made later are collected as before.
 """
 
 from __future__ import annotations
