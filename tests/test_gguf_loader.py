@@ -436,8 +436,8 @@ def dequantized_names(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, case, precision):
     """A matmul with GGUF blocks reads only them and its packed copy (bf16 or fp32), made
     from the blocks: its fp32 W is neither read from the file nor kept (its shape stays, on
-    the meta device), with the same greedy tokens as with it; a tied head's W, the
-    embedding table, stays."""
+    the meta device), with the same greedy tokens as with it; nor is the embedding table,
+    whose lookup decodes its rows of blocks (a tied head's too)."""
     from ember import LLM, SamplingParams
     from ember.engine.kernels import cpu_kernels
     from ember.engine.model_runner import module_weight_bytes
@@ -451,9 +451,12 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
     options = dict(kv_cache_memory=1 << 24, matmul_precision=precision, decode_activations="fp32")
     read = dequantized_names(monkeypatch)
     llm = LLM(str(path), **options)
-    # a matmul weight is not even read: its packed copy is made from its blocks
-    assert read and all("norm" in name or name == "token_embd.weight" for name in read)
+    # a matmul weight is not even read: its packed copy is made from its blocks; nor is
+    # the embedding table
+    assert read and all("norm" in name for name in read)
     model = llm.engine.core.runner.model
+    embedding = model.model.embed_tokens
+    assert embedding.from_blocks and embedding.weight.is_meta
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     dropped = [m for m in linears if m.weight.is_meta]
     assert dropped and all(m.block_list and m.packed is not None for m in dropped)
@@ -461,12 +464,12 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
     assert {m.packed.dtype for m in dropped} == {
         torch.bfloat16 if precision == "bf16" else torch.float32
     }
-    kept = [m for m in linears if not m.weight.is_meta]
-    assert [m.weight is model.model.embed_tokens.weight for m in kept] == (
-        [True] if BLOCK_CASES[case].get("tied") else []
-    )
-    # the weights' bytes no longer count the fp32 copies
+    assert [m for m in linears if not m.weight.is_meta] == []
+    # the weights' bytes no longer count the fp32 copies (a tied head's W: the table, which
+    # the model that keeps every W keeps for its lookup, where this one keeps its blocks)
     fp32 = sum(m.weight.numel() * 4 for m in dropped)
+    if BLOCK_CASES[case].get("tied"):
+        fp32 -= embedding.blocks.numel()
     init = Linear.__init__
 
     def shared(self, *args, **kwargs):  # as if other code read every W: all stay
@@ -486,16 +489,59 @@ def test_a_matmul_over_blocks_keeps_no_fp32_weight(tmp_path: Path, monkeypatch, 
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("case", ["llama-Q8_0-tied", "llama-k-quants"])
+def test_the_embedding_looks_rows_up_in_its_blocks_unless_the_table_is_shared(
+    tmp_path: Path, monkeypatch, case
+):
+    """The lookup decodes each token's row of blocks: for every token id, the row
+    transformers reads from the file, bit for bit, with no table held. Where other code
+    reads the table (an EAGLE-3 or MTP drafter: `table_shared`), it is read and kept,
+    and a tied head keeps it too; the tokens are the same."""
+    from ember import LLM, SamplingParams
+    from ember.engine.kernels import cpu_kernels
+    from ember.models import llama
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ toolchain to build kernels")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, **BLOCK_CASES[case])
+    table = transformers_weights(path)["model.embed_tokens.weight"]
+    ids = torch.arange(table.shape[0])
+    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for i in range(4 + 9 * j)] for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=1 << 24)
+    embedding = llm.engine.core.runner.model.model.embed_tokens
+    assert embedding.from_blocks and embedding.weight.is_meta
+    assert torch.equal(embedding(ids), table)
+    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    decide = llama.LlamaForCausalLM.weights_from_blocks
+    monkeypatch.setattr(
+        llama.LlamaForCausalLM,
+        "weights_from_blocks",
+        lambda self, kernels, bf16, table_shared=False: decide(self, kernels, bf16, True),
+    )
+    shared = LLM(str(path), kv_cache_memory=1 << 24)
+    model = shared.engine.core.runner.model
+    embedding = model.model.embed_tokens
+    assert not embedding.from_blocks and embedding.blocks is None
+    assert torch.equal(embedding.weight, table) and torch.equal(embedding(ids), table)
+    if BLOCK_CASES[case].get("tied"):
+        assert model.lm_head.weight is embedding.weight and model.lm_head.weight_shared
+    assert [out.outputs[0].token_ids for out in shared.generate(prompts, params)] == tokens
+
+
+@pytest.mark.parametrize("huge_pages", ["1", "0"])
 @pytest.mark.parametrize("precision", ["bf16", "ieee", "int8"])
 @pytest.mark.parametrize("case", ["llama-k-quants", "llama-Q8_0-tied", "llama-mixed"])
 def test_max_rank_memory_counts_what_the_weights_will_hold(
-    tmp_path: Path, monkeypatch, case, precision
+    tmp_path: Path, monkeypatch, case, precision, huge_pages
 ):
     """max_rank_memory's estimate, made from shapes before any weight is read, is to the
-    byte what the loaded model holds: GGUF blocks (a fused matmul's parts too), packed
-    copies (none for tiles that take every row, under int8), and no fp32 W for the
-    matmuls that read only blocks. One byte less is refused
-    before a tensor is read."""
+    byte what the loaded model holds: GGUF blocks (a fused matmul's parts too; moved onto
+    2 MB pages or not), packed copies (none for tiles that take every row, under int8),
+    no fp32 W for the matmuls that read only blocks, and the embedding's blocks (once,
+    where a tied head reads the same). One byte less is refused before a tensor is
+    read."""
     from ember import LLM
     from ember.engine.kernels import cpu_kernels
     from ember.models.layers import Linear
@@ -503,6 +549,7 @@ def test_max_rank_memory_counts_what_the_weights_will_hold(
     if cpu_kernels() is None:
         pytest.skip("no C++ toolchain to build kernels")
     monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
+    monkeypatch.setenv("EMBER_HUGE_PAGES", huge_pages)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, **BLOCK_CASES[case])
     kv = 1 << 24

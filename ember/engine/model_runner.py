@@ -218,7 +218,9 @@ class ModelRunner:
         the checkpoint tensors not to read, their matmuls reading only blocks."""
         model.load_gguf_blocks(checkpoint.gguf_blocks(narrow, shapes_only))
         if hasattr(model, "weights_from_blocks"):
-            return model.weights_from_blocks(cpu_kernels(), bf16_prefill)
+            # EAGLE-3's and MTP's drafts look tokens up in the target's table as floats
+            shared = self.config.speculative_method in ("eagle3", "mtp")
+            return model.weights_from_blocks(cpu_kernels(), bf16_prefill, table_shared=shared)
         return set()
 
     def _check_rank_memory(

@@ -264,7 +264,7 @@ class Linear(nn.Module):
             self.blocks, self.block_parts = None, []
             self.int8_max_rows = 0
         if only_blocks:  # its shape stays, on the meta device, so that a read of it fails loudly
-            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), False)
+            self.weight = meta_param(self.weight)
 
     def _packed_copy(self, kernels, dtype: torch.dtype) -> torch.Tensor:
         """W in oneDNN's layout, in `dtype` (in bf16 mode the only packed copy: no fp32 one
@@ -351,6 +351,13 @@ def int8_rows(parts: list[torch.Tensor], every_row: bool = False) -> int:
     return min(on_tiles if p.dim() == 4 else INT8_ROWS.get(p.shape[2], 1) for p in parts)
 
 
+def meta_param(weight: torch.Tensor) -> nn.Parameter:
+    """A placeholder of `weight`'s shape and dtype on the meta device. (torch.empty, not
+    empty_like: of a tensor already there, that goes through torch's Python references,
+    whose first use imports sympy, 0.3 s of a start.)"""
+    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), False)
+
+
 def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int:
     """The bytes `model`'s weights will hold once loaded and packed (pack_for_cpu), from
     shapes alone, so that a copy on the meta device with its GGUF blocks given as meta
@@ -359,9 +366,11 @@ def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int
     the block GEMM will read (MoE experts': all that came)."""
     seen: set[int] = set()
     total, block_sizes = 0, []
+    as_read: set[int] = set()  # block tensors a matmul keeps as they came (not moved, not tiled)
+    lookups = []  # embeddings that decode their rows of blocks
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            skipped = isinstance(module, Linear) and module.from_blocks and name == "weight"
+            skipped = getattr(module, "from_blocks", False) and name == "weight"
             if id(param) not in seen and not skipped:
                 seen.add(id(param))
                 total += param.numel() * param.element_size()
@@ -370,8 +379,15 @@ def planned_weight_bytes(model: nn.Module, kernels, packed_itemsize: int) -> int
                 total += module.weight.numel() * packed_itemsize
             if module._blocks_apply(kernels):
                 block_sizes += [part.numel() for part in module.block_list]
+                tiled = module.int8_max_rows and tiles_apply(module.block_list)
+                if not huge_pages.applies() and not tiled:
+                    as_read.update(id(part) for part in module.block_list)
+        elif getattr(module, "from_blocks", False):  # an embedding (VocabParallelEmbedding)
+            lookups.append(module)
         elif hasattr(module, "loaded_block_bytes"):  # MoE experts (Experts)
             total += module.loaded_block_bytes()
+    # a tied head's blocks are the lookup's own, unless the head tiles or moves them
+    total += sum(m.loaded_block_bytes() for m in lookups if id(m.blocks) not in as_read)
     # the matmuls' blocks end in one mapping on huge pages (gather_blocks), counted whole
     return total + (
         huge_pages.mapping_bytes(block_sizes) if huge_pages.applies() else sum(block_sizes)

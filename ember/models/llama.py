@@ -424,8 +424,8 @@ class LlamaForCausalLM(nn.Module):
             else OtherStage()
         )
         if config.tie_word_embeddings and first_stage:
+            # (the lookup reads this W too, unless it decodes blocks: weights_from_blocks)
             self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.weight_shared = True
         self._params: dict[str, nn.Parameter] | None = None  # by name, for shard_of
         # each matmul given GGUF blocks: the checkpoint tensors they came as
         self._block_names: dict[Linear, list[str]] = {}
@@ -478,9 +478,12 @@ class LlamaForCausalLM(nn.Module):
         from Checkpoint.gguf_blocks); call before pack_for_cpu, which decides on them."""
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         experts = ExpertTensors(self)
+        embedding = self.model.embed_tokens
         for name, rows in blocks:
             if experts.load(name, rows, blocks=True):
                 continue
+            if name == "model.embed_tokens.weight" and isinstance(embedding, VocabParallelEmbedding):
+                embedding.load_blocks(rows)  # (the lookup may decode its rows from them)
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
                 name = "lm_head.weight"  # the tied head multiplies by the embedding table
             target, shard = self._param_name(name)
@@ -489,15 +492,38 @@ class LlamaForCausalLM(nn.Module):
                 module.load_blocks(rows, shard)
                 self._block_names.setdefault(module, []).append(name)
 
-    def weights_from_blocks(self, kernels, bf16_prefill: bool) -> set[str]:
+    def weights_from_blocks(
+        self, kernels, bf16_prefill: bool, table_shared: bool = False
+    ) -> set[str]:
         """After load_gguf_blocks: the checkpoint tensors not to read, since their matmuls
         will read only their blocks and a packed copy made from them (Linear.
-        reads_only_blocks); those matmuls are marked to make it so."""
+        reads_only_blocks), and the embedding's lookup only its rows of blocks
+        (VocabParallelEmbedding.read_blocks; not where other code reads the table,
+        `table_shared`: a drafter sharing it, or a tied head that needs it as floats, which
+        is then marked `weight_shared`); those matmuls and the embedding are marked to
+        make it so."""
+        embedding, head = self.model.embed_tokens, self.lm_head
+        tied = self.config.tie_word_embeddings and isinstance(head, Linear)
+        decodes = (
+            isinstance(embedding, VocabParallelEmbedding)
+            and embedding.blocks is not None
+            and kernels is not None
+            and not table_shared
+        )
+        if tied:  # W stays for both unless both read only blocks
+            decodes = decodes and head.reads_only_blocks(kernels, bf16_prefill)
+            head.weight_shared = head.weight_shared or not decodes
         names: set[str] = set()
         for module, parts in self._block_names.items():
             if module.reads_only_blocks(kernels, bf16_prefill):
                 module.from_blocks = True
                 names.update(parts)
+        if decodes and embedding.read_blocks(kernels):
+            names.add("model.embed_tokens.weight")
+            if tied:  # one placeholder for both, as the tie had one table
+                head.weight = embedding.weight
+        elif isinstance(embedding, VocabParallelEmbedding):
+            embedding.blocks = None  # (the head's, if tied, are its own to keep)
         return names
 
     def load_weights(
