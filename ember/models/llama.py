@@ -482,7 +482,9 @@ class LlamaForCausalLM(nn.Module):
         for name, rows in blocks:
             if experts.load(name, rows, blocks=True):
                 continue
-            if name == "model.embed_tokens.weight" and isinstance(embedding, VocabParallelEmbedding):
+            if name == "model.embed_tokens.weight" and isinstance(
+                embedding, VocabParallelEmbedding
+            ):
                 embedding.load_blocks(rows)  # (the lookup may decode its rows from them)
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
                 name = "lm_head.weight"  # the tied head multiplies by the embedding table
