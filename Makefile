@@ -21,7 +21,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# ember's bytecode, kept current: where PYTHONDONTWRITEBYTECODE is set (containers, CI) Python
+# never writes it, and each process of every start would compile ember's modules again
 model: install
+	$(BIN)/python -m compileall -q ember
 	$(BIN)/ember download $(MODEL)
 
 serve: model
