@@ -479,12 +479,11 @@ class LlamaForCausalLM(nn.Module):
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         experts = ExpertTensors(self)
         embedding = self.model.embed_tokens
+        looks_up = isinstance(embedding, VocabParallelEmbedding)  # (the first stage's)
         for name, rows in blocks:
             if experts.load(name, rows, blocks=True):
                 continue
-            if name == "model.embed_tokens.weight" and isinstance(
-                embedding, VocabParallelEmbedding
-            ):
+            if name == "model.embed_tokens.weight" and looks_up:
                 embedding.load_blocks(rows)  # (the lookup may decode its rows from them)
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
                 name = "lm_head.weight"  # the tied head multiplies by the embedding table
@@ -499,19 +498,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> set[str]:
         """After load_gguf_blocks: the checkpoint tensors not to read, since their matmuls
         will read only their blocks and a packed copy made from them (Linear.
-        reads_only_blocks), and the embedding's lookup only its rows of blocks
-        (VocabParallelEmbedding.read_blocks; not where other code reads the table,
-        `table_shared`: a drafter sharing it, or a tied head that needs it as floats, which
-        is then marked `weight_shared`); those matmuls and the embedding are marked to
-        make it so."""
+        reads_only_blocks), and the lookup only its rows of blocks (VocabParallelEmbedding.
+        read_blocks; not where a drafter reads the table, `table_shared`, nor a tied head
+        that needs it, then `weight_shared`); those are marked to make it so."""
         embedding, head = self.model.embed_tokens, self.lm_head
         tied = self.config.tie_word_embeddings and isinstance(head, Linear)
-        decodes = (
-            isinstance(embedding, VocabParallelEmbedding)
-            and embedding.blocks is not None
-            and kernels is not None
-            and not table_shared
-        )
+        looks_up = isinstance(embedding, VocabParallelEmbedding)
+        decodes = looks_up and embedding.blocks is not None and not table_shared
         if tied:  # W stays for both unless both read only blocks
             decodes = decodes and head.reads_only_blocks(kernels, bf16_prefill)
             head.weight_shared = head.weight_shared or not decodes
@@ -524,8 +517,8 @@ class LlamaForCausalLM(nn.Module):
             names.add("model.embed_tokens.weight")
             if tied:  # one placeholder for both, as the tie had one table
                 head.weight = embedding.weight
-        elif isinstance(embedding, VocabParallelEmbedding):
-            embedding.blocks = None  # (the head's, if tied, are its own to keep)
+        elif looks_up:  # (a tied head keeps its own blocks)
+            embedding.blocks = None
         return names
 
     def load_weights(
