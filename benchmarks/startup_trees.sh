@@ -10,7 +10,7 @@
 set -euo pipefail
 rounds=$1
 shift
-python=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
+python=${PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
 for _ in $(seq "$rounds"); do
   for tree in "$@"; do
     out=$(cd /tmp && PYTHONPATH=$tree "$python" -m ember.cli bench startup --warm --repeats 1 2>&1)
