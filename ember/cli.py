@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from ember import envs, startup
 from ember.engine_args import add_engine_args, add_kv_args, engine_options
+
+if TYPE_CHECKING:
+    from ember.engine.core_client import EngineCoreClient
 
 
 def cmd_download(args: argparse.Namespace) -> int:
@@ -162,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def early_core(argv: list[str]):
+def early_core(argv: list[str]) -> EngineCoreClient | None:
     """For `ember serve` (but another node's ranks, or its help): its engine core, started
     before the flags are read (EngineCoreClient(None)), since importing torch is most of
     a start; None for any other command. (Flags that fail their checks stop it again.)"""
