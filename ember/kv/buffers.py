@@ -248,9 +248,9 @@ class Prefaulter:
         range_bytes: int = 2 << 20,
         slice_seconds: float = 0.002,
     ) -> None:
-        self.layers = [layer for layer in kv_caches if layer.device.type == "cpu"]
-        self.parts = [part for layer in self.layers for part in layer]
-        self.num_blocks = self.layers[0].shape[1] if self.layers else 0
+        layers = [layer for layer in kv_caches if layer.device.type == "cpu"]
+        self.parts = [part for layer in layers for part in layer]
+        self.num_blocks = layers[0].shape[1] if layers else 0
         part_block = max((part[0].nbytes for part in self.parts), default=0)
         self.blocks_per_range = max(1, range_bytes // part_block) if part_block else 1
         self.slice_seconds = slice_seconds
