@@ -42,7 +42,9 @@ class EngineConfig:
     # None: 0.5 of available RAM on CPU (at most 4 GiB), 0.9 of free GPU memory on CUDA
     kv_cache_memory_fraction: float | None = None
     max_model_len: int | None = None  # None: the model's own context length
-    max_num_batched_tokens: int = 512
+    # tokens per step (prompts are chunked to fit; vLLM's CPU server takes 2,048): 1,024
+    # cut the first turn of agent sessions that arrive together by a sixth against 512
+    max_num_batched_tokens: int = 1024
     # with no sequence decoding, a step may go past max_num_batched_tokens, up to this
     # many tokens (and within max_step_ms, predicted), for prompts that then finish their
     # prefill in it (a burst of prompts sharing a prefix, or a few short ones: one step,
@@ -60,8 +62,10 @@ class EngineConfig:
     # while sequences decode, a prompt chunk that would keep their next token past this
     # many ms after their last runs its layers in slices, and the decodes take steps of
     # their own between slices whenever the next slice would pass it (EngineCore;
-    # 0: off; one process on CPU, no speculative decoding)
-    target_itl_ms: float = 0.0
+    # 0: off; None: auto, a share of what a 1,024-token chunk takes on this machine, by
+    # the step cost model: EngineCore.target_itl_ms; one process on CPU, no speculative
+    # decoding)
+    target_itl_ms: float | None = None
     min_prefill_tokens: int = 16
     # which prompt a step's prefill budget goes to first: "shortest" (highest response
     # ratio: a short prompt before a long one, none starved; see Scheduler) or "fcfs"
@@ -223,8 +227,10 @@ class EngineConfig:
             raise ValueError(f"batch_wait_ms must be in [0, 1000], got {self.batch_wait_ms!r}")
         if not self.max_step_ms >= 0:
             raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms!r}")
-        if not self.target_itl_ms >= 0:
-            raise ValueError(f"target_itl_ms must be >= 0 (0: off), got {self.target_itl_ms!r}")
+        if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
+            raise ValueError(
+                f"target_itl_ms must be >= 0 (0: off; None: auto), got {self.target_itl_ms!r}"
+            )
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
         if self.max_model_len is not None:

@@ -125,7 +125,8 @@ def test_an_idle_bf16_engine_times_its_matmuls_and_still_computes_them(
         pytest.skip("no ember CPU kernels on this machine")
     monkeypatch.setattr("ember.engine.precision.cpu_has_bf16", lambda: True)
     path = str(tiny_checkpoint("llama"))
-    llm = LLM(path, matmul_precision="bf16", max_prefill_step_tokens=768, **SMALL_KV)
+    llm = LLM(path, matmul_precision="bf16", max_num_batched_tokens=512,
+              max_prefill_step_tokens=768, **SMALL_KV)  # fmt: skip
     core = llm.engine.core  # (steps of up to 768 rows: the longest a step can have)
     while not core.idle.prefaulter.done:
         core.idle_work()

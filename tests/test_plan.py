@@ -235,7 +235,8 @@ def test_profile_a_running_worker_and_plan_from_it(tiny_worker, tmp_path, capsys
     assert all(c >= 0 for part in profile.coefficients.values() for c in part)
     # the tiny llama: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes
     assert profile.kv_bytes_per_token == 512
-    assert (profile.max_num_batched_tokens, profile.max_step_ms) == (512, 0.0)
+    # the worker's own limits: the default chunk, the step budget its fixture turned off
+    assert (profile.max_num_batched_tokens, profile.max_step_ms) == (1024, 0.0)
 
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(

@@ -7,6 +7,8 @@ model keeps chunks short, so that there are many)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from test_models import GREEDY, PROMPTS, SMALL_KV, hf_reference, token_ids
 from test_scheduler import FakeRunner, make_request, make_scheduler, scheduled_tokens, tokens
@@ -17,6 +19,7 @@ from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.step_cost import StepCoefficients, StepCostModel
+from ember.engine_args import add_engine_args, engine_options
 
 # every prompt chunk predicted at seconds: the step budget cuts chunks to the floor
 DEAR = StepCoefficients(base=1.0, per_prefill_token=1e4, per_decode_row=1.0)
@@ -245,3 +248,55 @@ def test_a_decodes_only_step_takes_no_prompt_token():
 def test_target_itl_ms_is_checked(bad):
     with pytest.raises(ValueError, match="target_itl_ms must be >= 0"):
         EngineConfig(model="x", target_itl_ms=bad)
+
+
+def test_the_target_flag_takes_auto_or_milliseconds():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    options = [engine_options(parser.parse_args(argv)) for argv in ([], ["--target-itl-ms", "0"],
+               ["--target-itl-ms", "auto"], ["--target-itl-ms", "95.5"])]  # fmt: skip
+    assert [o["target_itl_ms"] for o in options] == [None, 0.0, None, 95.5]
+    assert EngineConfig(model="x").target_itl_ms is None  # auto, by default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--target-itl-ms", "fast"])
+
+
+# a 1,024-token chunk predicted at 2 + 1024 * 0.5 + 524.288 * 0.25 = 645.072 ms
+PRICED = StepCoefficients(base=2.0, per_prefill_token=0.5, per_decode_row=1.0, per_attention=0.25)
+
+
+def test_the_auto_target_is_a_share_of_a_1024_token_chunk(tiny_checkpoint):
+    """auto follows the cost model: 0.4 of what it predicts a 1,024-token chunk alone
+    takes, as it learns; an explicit target stays as given."""
+    for target, expected in ((None, 0.4 * 645.072), (0.0, 0.0), (80.0, 80.0)):
+        config = EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24,
+                              target_itl_ms=target)  # fmt: skip
+        core = EngineCore.from_config(config)
+        try:
+            core.step_cost = core.scheduler.cost_model = StepCostModel(PRICED, prior_weight=1e12)
+            assert core.target_itl_ms == pytest.approx(expected)
+            slower = StepCoefficients(base=2.0, per_prefill_token=1.0, per_attention=0.25)
+            core.step_cost = core.scheduler.cost_model = StepCostModel(slower, prior_weight=1e12)
+            assert (core.target_itl_ms > expected) == (target is None)
+        finally:
+            core.close()
+
+
+def test_the_auto_target_slices_where_prompts_are_cheap_beside_dear_decodes(tiny_checkpoint):
+    """With prefill predicted nearly free and decode rows at 100 ms, the auto target is a
+    fraction of a millisecond and every mixed step beside decodes goes in slices (the
+    tokens transformers' greedy ones); with prefill dear (a 1,024-token chunk at seconds)
+    it is past any step and nothing is sliced."""
+    path = tiny_checkpoint("llama")
+    _, expected = hf_reference(path, "llama")
+    cheap = StepCoefficients(base=0.0, per_prefill_token=1e-4, per_decode_row=100.0)
+    for coefficients, sliced in ((cheap, True), (DEAR, False)):
+        llm = LLM(str(path), max_num_batched_tokens=48, max_prefill_step_tokens=48,
+                  max_num_seqs=3, **SMALL_KV)  # fmt: skip
+        core = llm.engine.core
+        core.step_cost = core.scheduler.cost_model = StepCostModel(coefficients, prior_weight=1e12)
+        events = record_events(core)
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+        assert (core.step_stats.num_sliced > 0) == sliced, events
+        assert ("slice" in events) == sliced
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks

@@ -112,6 +112,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_capped_steps: int = 0  # steps whose prefill chunk the step budget (max_step_ms) shrank
     num_sliced_steps: int = 0  # prompt steps run a slice of layers at a time (target_itl_ms)
     last_prefill_cap: int = 0  # the prefill tokens it allowed, the last time it did
+    target_itl_ms: float = 0.0  # the ITL target prompts are sliced for now (0: off)
     # MoE models: (layer, tokens routed to each of its experts since start) per MoE layer;
     # sent at most once a second and when the engine goes idle (None in between)
     expert_tokens: list[tuple[int, list[int]]] | None = None

@@ -187,9 +187,11 @@ def print_plan(profile, demand, slo, result) -> None:
 def engine_flags(profile) -> list[str]:
     """The profiled worker's step limits, where they are not the defaults: the predictions
     hold for workers run with them."""
+    from ember.plan.profile import ENGINE
+
     flags = []
-    if profile.max_num_batched_tokens != 512:
+    if profile.max_num_batched_tokens != ENGINE.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(profile.max_num_batched_tokens)]
-    if profile.max_step_ms != 100.0:
+    if profile.max_step_ms != ENGINE.max_step_ms:
         flags += ["--max-step-ms", f"{profile.max_step_ms:g}"]
     return flags

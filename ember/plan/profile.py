@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ember import envs
+from ember.config import EngineConfig
 from ember.plan import DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_LENGTHS
 
 # token ids of the probes' prompts: in every vocabulary of 512 tokens or more, past the
@@ -61,6 +62,9 @@ def pairs(new: float, context: float) -> float:
     return new * (context + new / 2) / 1000
 
 
+ENGINE = EngineConfig()  # a worker's defaults, for profiles that do not say otherwise
+
+
 @dataclass
 class WorkerProfile:
     model: str
@@ -70,8 +74,8 @@ class WorkerProfile:
     prefill: list[list[float]]  # [new tokens, context tokens, ms] of lone prompts
     decode: list[list[float]]  # [batch, context tokens, ms per token]
     kv_bytes_per_token: int = 0  # what a prefill worker hands over per prompt token
-    max_num_batched_tokens: int = 512  # the worker's prefill chunk
-    max_step_ms: float = 100.0  # its step budget while decodes run (0: off)
+    max_num_batched_tokens: int = ENGINE.max_num_batched_tokens  # the worker's prefill chunk
+    max_step_ms: float = ENGINE.max_step_ms  # its step budget while decodes run (0: off)
     source: str = ""
     coefficients: dict[str, list[float]] = field(default_factory=dict)
 
@@ -275,8 +279,10 @@ async def measure(
         prefill=prefill,
         decode=decode,
         kv_bytes_per_token=int(load.get("kv_bytes_per_token") or 0),
-        max_num_batched_tokens=int(limits.get("max_num_batched_tokens", 512)),
-        max_step_ms=float(limits.get("max_step_ms", 100.0)),
+        max_num_batched_tokens=int(
+            limits.get("max_num_batched_tokens", ENGINE.max_num_batched_tokens)
+        ),
+        max_step_ms=float(limits.get("max_step_ms", ENGINE.max_step_ms)),
         source=url,
     )
 

@@ -103,6 +103,11 @@ class ServerMetrics:
             "since start.",
             labels, registry=r,
         )  # fmt: skip
+        self.target_itl = Gauge(
+            "ember_engine_target_itl_ms", "The inter-token latency target prompt steps are "
+            "sliced for (--target-itl-ms; auto: as this machine's step costs give it; 0: "
+            "off).", labels, registry=r,
+        )  # fmt: skip
         self.prefill_cap = Gauge(
             "ember_engine_step_budget_prefill_tokens", "The prefill tokens the step budget "
             "allowed the last step it shrank.", labels, registry=r,
@@ -187,6 +192,7 @@ class ServerMetrics:
         self.capped_steps.labels(name).set(stats.num_capped_steps)
         self.sliced_steps.labels(name).set(stats.num_sliced_steps)
         self.prefill_cap.labels(name).set(stats.last_prefill_cap)
+        self.target_itl.labels(name).set(stats.target_itl_ms)
         if (spec := stats.spec_decode) is not None:
             self.spec_tokens.labels(name, "draft").set(spec["num_draft_tokens"])
             self.spec_tokens.labels(name, "accepted").set(spec["num_accepted_tokens"])
