@@ -4,6 +4,8 @@
 // llama.cpp's Q8_0 activations.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,7 +31,9 @@ inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_dim) 
   out.group_sums.resize(rows * k_dim / kGroup);
   out.sums16.resize(rows * k_dim / 16);
   constexpr int kChunks = kGroup / simd::kLanes;
-  for (int64_t g = 0; g < rows * k_dim / kGroup; ++g) {
+  // a prefill's rows on every thread (760 x 1536 values: ~0.1 ms); a decode's few, here
+  at::parallel_for(0, rows * k_dim / kGroup, 4096, [&](int64_t begin, int64_t end) {
+  for (int64_t g = begin; g < end; ++g) {
     const float* xg = x + g * kGroup;
     simd::vf values[kChunks], amax = simd::zero();
     for (int c = 0; c < kChunks; ++c) {
@@ -48,6 +52,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_dim) 
     out.sums16[2 * g] = static_cast<int16_t>(sum[0]);
     out.sums16[2 * g + 1] = static_cast<int16_t>(sum[1]);
   }
+  });
   return out;
 }
 

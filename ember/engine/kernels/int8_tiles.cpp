@@ -86,6 +86,8 @@ constexpr int kPass = kLanes == 16 ? 8 : 4;  // rows of x per pass over a tile (
 constexpr int kPass = 8;
 #endif
 
+constexpr int64_t kRowBlock = 64;  // rows of x per pass over a thread's tiles (L2)
+
 #define TILE_ROWS tile_rows
 #include "int8_tiles.inc"
 #undef TILE_ROWS
@@ -138,8 +140,12 @@ void tiled_all(bool vnni, int64_t rows, const float* x, const uint8_t* tiles, fl
   const QuantizedRows xq = int8_rows::quantize_rows(x, rows, k_dim);
   const int64_t blocks = k_dim / kGroup, tile_bytes = blocks * kTile * F::kBytes;
   at::parallel_for(0, n_dim / kTile, 1, [&](int64_t begin, int64_t end) {
+    // a prefill's rows a block at a time, over all of this thread's tiles: the block's
+    // int8 rows stay in L2 while the tiles pass (x whole outgrew L2 past ~1 MB: down_proj
+    // of 760 rows scaled 1.76x on two cores, gate_up 1.94x)
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t m0 = 0; m0 < rows; m0 += kPass) {
+      for (int64_t m0 = r0; m0 < std::min(r0 + kRowBlock, rows); m0 += kPass) {
         const Rows part{xq.q.data() + m0 * k_dim, xq.scale.data() + m0 * blocks,
                         xq.group_sums.data() + m0 * blocks, k_dim, blocks};
         const auto run = [&](auto rows_here) {
