@@ -62,7 +62,7 @@ class EngineConfig:
     # while sequences decode, a prompt chunk that would keep their next token past this
     # many ms after their last runs its layers in slices, and the decodes take steps of
     # their own between slices whenever the next slice would pass it (EngineCore;
-    # 0: off; None: auto, a share of what a 1,024-token chunk takes on this machine, by
+    # 0: off; None: auto, a share of what a 512-token prompt takes on this machine, by
     # the step cost model: EngineCore.target_itl_ms; one process on CPU, no speculative
     # decoding)
     target_itl_ms: float | None = None

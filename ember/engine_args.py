@@ -215,8 +215,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "this many ms after their last runs its layers a slice at a time, and the decodes "
         "take steps of their own between slices whenever the next slice would pass it: "
         "lower inter-token latency under long prompts, for some time to first token; 0 "
-        "turns it off; auto: 0.4 of the time a 1,024-token prompt chunk takes on this "
-        "machine, as the step cost model predicts it (one process on CPU, no speculative "
+        "turns it off; auto: 0.8 of the time a 512-token prompt takes on this machine, "
+        "as the step cost model predicts it (one process on CPU, no speculative "
         "decoding; default %(default)s)",
     )
     parser.add_argument(

@@ -261,14 +261,14 @@ def test_the_target_flag_takes_auto_or_milliseconds():
         parser.parse_args(["--target-itl-ms", "fast"])
 
 
-# a 1,024-token chunk predicted at 2 + 1024 * 0.5 + 524.288 * 0.25 = 645.072 ms
+# a 512-token prompt predicted at 2 + 512 * 0.5 + 131.072 * 0.25 = 290.768 ms
 PRICED = StepCoefficients(base=2.0, per_prefill_token=0.5, per_decode_row=1.0, per_attention=0.25)
 
 
-def test_the_auto_target_is_a_share_of_a_1024_token_chunk(tiny_checkpoint):
-    """auto follows the cost model: 0.4 of what it predicts a 1,024-token chunk alone
+def test_the_auto_target_is_a_share_of_a_512_token_prompt(tiny_checkpoint):
+    """auto follows the cost model: 0.8 of what it predicts a 512-token prompt alone
     takes, as it learns; an explicit target stays as given."""
-    for target, expected in ((None, 0.4 * 645.072), (0.0, 0.0), (80.0, 80.0)):
+    for target, expected in ((None, 0.8 * 290.768), (0.0, 0.0), (80.0, 80.0)):
         config = EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24,
                               target_itl_ms=target)  # fmt: skip
         core = EngineCore.from_config(config)
@@ -285,7 +285,7 @@ def test_the_auto_target_is_a_share_of_a_1024_token_chunk(tiny_checkpoint):
 def test_the_auto_target_slices_where_prompts_are_cheap_beside_dear_decodes(tiny_checkpoint):
     """With prefill predicted nearly free and decode rows at 100 ms, the auto target is a
     fraction of a millisecond and every mixed step beside decodes goes in slices (the
-    tokens transformers' greedy ones); with prefill dear (a 1,024-token chunk at seconds)
+    tokens transformers' greedy ones); with prefill dear (a 512-token prompt at seconds)
     it is past any step and nothing is sliced."""
     path = tiny_checkpoint("llama")
     _, expected = hf_reference(path, "llama")

@@ -307,7 +307,7 @@ def test_load_and_metrics(server, client):
     # one step per token (a prefill, then decodes), each timed
     assert after[("ember_engine_steps", None)] - before[("ember_engine_steps", None)] == 5
     assert after[("ember_engine_step_seconds", None)] > before[("ember_engine_step_seconds", None)]
-    # --target-itl-ms auto: a share of a 1,024-token chunk's predicted time, never off
+    # --target-itl-ms auto: a share of a 512-token prompt's predicted time, never off
     assert after[("ember_engine_target_itl_ms", None)] > 0
     assert (
         after[("ember_time_to_first_token_seconds_count", None)]

@@ -41,13 +41,14 @@ logger = logging.getLogger("ember.engine")
 # 100 ms target: more decode steps than it needs)
 SLICE_SHARE = 0.1
 # target_itl_ms auto: this share of the time a prompt chunk of AUTO_TARGET_TOKENS alone is
-# predicted to take (the step cost model: this machine's speed, learned). The targets that
-# held the conversation trace's ITL p90 to half vLLM's without giving up its TTFT p90 were
-# 0.36-0.47 of that time on three CPUs; as a share it follows the CPU (~90 ms on an AMX
-# Xeon, ~140 on a Zen 5 EPYC, ~290 on a Zen 4 one, where the step budget holds gaps lower
-# already). Before the calibration the prior's slow costs put it past the step budget.
-AUTO_TARGET_SHARE = 0.4
-AUTO_TARGET_TOKENS = 1024
+# predicted to take (the step cost model: this machine's speed; the calibration times such
+# a prompt). The targets that held the conversation trace's ITL p90 to half vLLM's without
+# giving up its TTFT p90 were 0.36-0.47 of a 1,024-token prompt's time on an AMX Xeon and a
+# Zen 5 EPYC, about 0.75-0.95 of a 512-token one's; as a share it follows the CPU (~90 ms
+# on the Xeon, ~130 on the Zen 5, ~290 on a Zen 4 EPYC, where the step budget holds gaps
+# lower already). Before the calibration the prior's slow costs put it past the budget.
+AUTO_TARGET_SHARE = 0.8
+AUTO_TARGET_TOKENS = 512
 
 
 class EngineCore:
