@@ -215,7 +215,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "this many ms after their last runs its layers a slice at a time, and the decodes "
         "take steps of their own between slices whenever the next slice would pass it: "
         "lower inter-token latency under long prompts, for some time to first token; 0 "
-        "turns it off; auto: 0.8 of the time a 512-token prompt takes on this machine, "
+        "turns it off; auto: 0.85 of the time a 512-token prompt takes on this machine, "
         "as the step cost model predicts it (one process on CPU, no speculative "
         "decoding; default %(default)s)",
     )

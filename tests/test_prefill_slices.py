@@ -266,9 +266,9 @@ PRICED = StepCoefficients(base=2.0, per_prefill_token=0.5, per_decode_row=1.0, p
 
 
 def test_the_auto_target_is_a_share_of_a_512_token_prompt(tiny_checkpoint):
-    """auto follows the cost model: 0.8 of what it predicts a 512-token prompt alone
+    """auto follows the cost model: 0.85 of what it predicts a 512-token prompt alone
     takes, as it learns; an explicit target stays as given."""
-    for target, expected in ((None, 0.8 * 290.768), (0.0, 0.0), (80.0, 80.0)):
+    for target, expected in ((None, 0.85 * 290.768), (0.0, 0.0), (80.0, 80.0)):
         config = EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_memory=1 << 24,
                               target_itl_ms=target)  # fmt: skip
         core = EngineCore.from_config(config)

@@ -43,11 +43,13 @@ SLICE_SHARE = 0.1
 # target_itl_ms auto: this share of the time a prompt chunk of AUTO_TARGET_TOKENS alone is
 # predicted to take (the step cost model: this machine's speed; the calibration times such
 # a prompt). The targets that held the conversation trace's ITL p90 to half vLLM's without
-# giving up its TTFT p90 were 0.36-0.47 of a 1,024-token prompt's time on an AMX Xeon and a
-# Zen 5 EPYC, about 0.75-0.95 of a 512-token one's; as a share it follows the CPU (~90 ms
-# on the Xeon, ~130 on the Zen 5, ~290 on a Zen 4 EPYC, where the step budget holds gaps
-# lower already). Before the calibration the prior's slow costs put it past the budget.
-AUTO_TARGET_SHARE = 0.8
+# giving up its TTFT p90 were 0.72-0.84 of a 512-token prompt's time on a Zen 5 EPYC and
+# 0.85-0.94 on an AMX Xeon (a 1,024-token prompt's halved); on a Zen 4 EPYC, where the
+# step budget alone held the gaps under half vLLM's, 0.8 (232 ms) bought 0.42-0.44x
+# against 0.44-0.50x for a TTFT p90 of 1.12-1.20x against 0.86-0.90x. So the share sits
+# at their boundary: ~95 ms on the Xeon, ~140 on the Zen 5, ~245 on the Zen 4, at its
+# budget. Before the calibration the prior's slow costs put it past the budget.
+AUTO_TARGET_SHARE = 0.85
 AUTO_TARGET_TOKENS = 512
 
 
