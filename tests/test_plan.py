@@ -11,6 +11,7 @@ import math
 import pytest
 
 from ember.cli import main
+from ember.plan.command import engine_flags
 from ember.plan.demand import Demand, Request, from_bench, from_mooncake, load_trace
 from ember.plan.model import (
     parse_slo,
@@ -127,6 +128,38 @@ def test_a_step_budget_shrinks_the_mixed_workers_gaps():
     assert budget.ttft_ms > none.ttft_ms  # in more, smaller chunks
 
 
+def test_an_itl_target_holds_the_mixed_workers_gaps_for_longer_prompts():
+    """A 120 ms target under the ~246 ms steps that carry a 200-token chunk beside ~8
+    decodes: those steps run in slices with decode steps between, so the p90 gap is the
+    target, and each prompt also carries the decode steps between its slices (one per
+    120 ms less a decode step)."""
+    demand = steady(gap=0.5)  # a chunk step is the p90 gap (1 step in 10 or more)
+    none = predict_mixed(exact_profile(), demand, 1)
+    target = predict_mixed(exact_profile(target_itl_ms=120.0), demand, 1)
+    assert none.itl_p90_ms > 200 and target.itl_p90_ms == pytest.approx(120.0)
+    step = none.itl_p90_ms - 200  # the decode step the prompt's one step carried
+    slices = math.ceil(220.2 / (120.0 - step))  # decode steps among the slices, in all
+    assert target.running_per_worker >= 1  # (decodes run beside every prompt)
+    service = 220.2 + slices * step
+    assert target.ttft_ms == pytest.approx(service + target.itl_ms)
+    assert target.ttft_ms > none.ttft_ms
+    above = predict_mixed(exact_profile(target_itl_ms=1000.0), demand, 1)  # never reached
+    assert (above.itl_p90_ms, above.ttft_ms) == (none.itl_p90_ms, none.ttft_ms)
+
+
+def test_the_recommended_flags_keep_the_profiled_workers_limits():
+    # a profile from before the ITL target went on by default: the worker had none
+    assert engine_flags(exact_profile()) == [
+        "--max-num-batched-tokens", "512", "--max-step-ms", "0", "--target-itl-ms", "0",
+    ]  # fmt: skip
+    auto = exact_profile(max_num_batched_tokens=1024, max_step_ms=250.0, target_itl_ms=95.0,
+                         target_itl_auto=True)  # fmt: skip
+    assert engine_flags(auto) == []
+    assert engine_flags(exact_profile(max_step_ms=250.0, target_itl_ms=80.0))[-2:] == [
+        "--target-itl-ms", "80",
+    ]  # fmt: skip
+
+
 def test_overload_is_unstable_and_more_workers_fix_it():
     heavy = steady(count=201, gap=0.1)  # 10 prompts a second of 220 ms each
     assert not predict_disaggregated(exact_profile(), heavy, 1, 1).stable
@@ -235,8 +268,10 @@ def test_profile_a_running_worker_and_plan_from_it(tiny_worker, tmp_path, capsys
     assert all(c >= 0 for part in profile.coefficients.values() for c in part)
     # the tiny llama: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes
     assert profile.kv_bytes_per_token == 512
-    # the worker's own limits: the default chunk, the step budget its fixture turned off
+    # the worker's own limits: the default chunk, the step budget its fixture turned off,
+    # the ITL target auto (what it came to on the worker's own steps)
     assert (profile.max_num_batched_tokens, profile.max_step_ms) == (1024, 0.0)
+    assert profile.target_itl_auto and profile.target_itl_ms > 0
 
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(

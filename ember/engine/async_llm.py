@@ -141,6 +141,8 @@ class AsyncLLM:
             "max_prefill_step_tokens": config.max_prefill_step_tokens,
             "max_step_ms": config.max_step_ms,
             "min_prefill_tokens": config.min_prefill_tokens,
+            # set, or auto (/load adds what auto comes to now: target_itl_ms)
+            "target_itl_auto": config.target_itl_ms is None,
         }
         # the ranks a model's experts are split over (expert parallel), for /metrics
         self.expert_ranks = config.tensor_parallel_size if config.expert_parallel else 1

@@ -194,4 +194,6 @@ def engine_flags(profile) -> list[str]:
         flags += ["--max-num-batched-tokens", str(profile.max_num_batched_tokens)]
     if profile.max_step_ms != ENGINE.max_step_ms:
         flags += ["--max-step-ms", f"{profile.max_step_ms:g}"]
+    if not profile.target_itl_auto:  # (auto is the default)
+        flags += ["--target-itl-ms", f"{profile.target_itl_ms:g}"]
     return flags

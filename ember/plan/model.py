@@ -30,7 +30,10 @@ ceil(n / chunk) such steps, each also carrying the N decodes: that is its servic
 replay over the M workers. A decoding sequence sees every step of its worker: of those,
 the ones carrying a chunk (lam / M x E[steps] a ms) among the decode-only ones that fill
 the rest of the time; where 1 step in 10 or more carries a chunk, the p90 gap is a step
-with a chunk (a whole one, or a mean prompt's new tokens if fewer); else as above.
+with a chunk (a whole one, or a mean prompt's new tokens if fewer); else as above. A
+worker with an ITL target (`target_itl_ms`) below such a step runs its chunks in slices
+with a decode step after each target's worth of prefill: the gap is then the target, and
+a prompt's service carries those decode steps too.
 
 The predictions are means and 90th percentiles of TTFT and ITL; an SLO `ttft=MS,itl=MS`
 is met by a configuration whose p90s are within it. Utilisation: the share of time a
@@ -197,10 +200,19 @@ def predict_mixed(profile: WorkerProfile, demand: Demand, workers: int) -> Predi
     # a step carrying a chunk: a whole one, or what is left of a shorter prompt
     chunk_step = decode_step + min(chunk, demand.mean("new_tokens")) * per_token
     steps = [max(math.ceil(r.new_tokens / chunk), 1) for r in demand.requests]
-    service = [
-        profile.prefill_ms(r.new_tokens, r.prompt_tokens - r.new_tokens) + k * decode_step
-        for r, k in zip(demand.requests, steps, strict=True)
-    ]
+    prefill = [profile.prefill_ms(r.new_tokens, r.prompt_tokens - r.new_tokens)
+               for r in demand.requests]  # fmt: skip
+    # an ITL target below such a step: its chunk runs in slices, a decode step after each
+    # target's worth (less the decode step) of prefill, so the decodes' gaps are about the
+    # target and a prompt carries those extra decode steps (where decodes are running)
+    target = profile.target_itl_ms
+    sliced = 0 < target < chunk_step
+    if sliced:
+        slice_ms = max(target - decode_step, 1e-3)
+        extra = [max(math.ceil(ms / slice_ms) - k, 0) for ms, k in zip(prefill, steps, strict=True)]
+        steps = [k + min(running, 1.0) * e for k, e in zip(steps, extra, strict=True)]
+        chunk_step = max(target, decode_step)
+    service = [ms + k * decode_step for ms, k in zip(prefill, steps, strict=True)]
     waits = _prompt_waits(demand, service, workers)
     ttft = [w + s + itl for w, s in zip(waits, service, strict=True)]
     # of the steps a decoding sequence sees, those that carry a chunk

@@ -76,6 +76,10 @@ class WorkerProfile:
     kv_bytes_per_token: int = 0  # what a prefill worker hands over per prompt token
     max_num_batched_tokens: int = ENGINE.max_num_batched_tokens  # the worker's prefill chunk
     max_step_ms: float = ENGINE.max_step_ms  # its step budget while decodes run (0: off)
+    # its ITL target when profiled (0: off), and whether that was auto (the engine's own
+    # share of its step costs) rather than set
+    target_itl_ms: float = 0.0
+    target_itl_auto: bool = False
     source: str = ""
     coefficients: dict[str, list[float]] = field(default_factory=dict)
 
@@ -283,6 +287,8 @@ async def measure(
             limits.get("max_num_batched_tokens", ENGINE.max_num_batched_tokens)
         ),
         max_step_ms=float(limits.get("max_step_ms", ENGINE.max_step_ms)),
+        target_itl_ms=float(limits.get("target_itl_ms") or 0.0),
+        target_itl_auto=bool(limits.get("target_itl_auto", False)),
         source=url,
     )
 

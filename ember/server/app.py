@@ -137,7 +137,7 @@ def build_app(
             "kv_blocks_total": stats.kv_blocks_total,
             "block_size": llm.block_size,
             "kv_bytes_per_token": stats.kv_block_bytes // llm.block_size,
-            "step_limits": llm.step_limits,
+            "step_limits": {**llm.step_limits, "target_itl_ms": stats.target_itl_ms},
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_prompt_tokens_computed": stats.num_prompt_tokens_computed,
