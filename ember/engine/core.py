@@ -47,8 +47,8 @@ SLICE_SHARE = 0.1
 # 0.85-0.94 on an AMX Xeon (a 1,024-token prompt's halved); on a Zen 4 EPYC, where the
 # step budget alone held the gaps under half vLLM's, 0.8 (232 ms) bought 0.42-0.44x
 # against 0.44-0.50x for a TTFT p90 of 1.12-1.20x against 0.86-0.90x. So the share sits
-# at their boundary: ~95 ms on the Xeon, ~140 on the Zen 5, ~245 on the Zen 4, at its
-# budget. Before the calibration the prior's slow costs put it past the budget.
+# at their boundary: ~95 ms on the Xeon, ~140 on the Zen 5, ~220-280 on the Zen 4, about
+# its budget. Before the calibration the prior's slow costs put it past the budget.
 AUTO_TARGET_SHARE = 0.85
 AUTO_TARGET_TOKENS = 512
 
