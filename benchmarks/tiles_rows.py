@@ -23,8 +23,7 @@ from ember.models.tiles import tile_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kquant_gemm import random_blocks  # noqa: E402  (random codes, small fp16 scales)
-
-SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]  # gate_up, down, qkv, o
+from prefill_matmuls import SHAPES  # noqa: E402  (gate_up, down, qkv, o)
 
 
 def main() -> None:

@@ -401,12 +401,14 @@ class EngineCore:
         scheduler gave them stays theirs), unless one's token fills its block: scheduling
         registered that block for prefix hits, so they run now (returned), lest an abort
         or a preemption free it unwritten."""
-        target_ms = self.target_itl_ms
-        if target_ms <= 0:  # (every step asks: nothing made when it is off)
+        if self._target_itl_ms == 0.0:  # (every step asks: nothing made when it is off)
             return None
         chunks = [s for s in sched_out.scheduled if s.num_new_tokens > 1]
         decodes = [s for s in sched_out.scheduled if s.num_new_tokens == 1]
         if not chunks or not decodes:
+            return None
+        target_ms = self.target_itl_ms
+        if target_ms <= 0:
             return None
         whole_ms = self.step_cost.predict_ms(sched_out.shape())
         if self._decode_age_ms() + whole_ms <= target_ms:

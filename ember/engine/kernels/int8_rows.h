@@ -33,25 +33,25 @@ inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_dim) 
   constexpr int kChunks = kGroup / simd::kLanes;
   // a prefill's rows on every thread (760 x 1536 values: ~0.1 ms); a decode's few, here
   at::parallel_for(0, rows * k_dim / kGroup, 4096, [&](int64_t begin, int64_t end) {
-  for (int64_t g = begin; g < end; ++g) {
-    const float* xg = x + g * kGroup;
-    simd::vf values[kChunks], amax = simd::zero();
-    for (int c = 0; c < kChunks; ++c) {
-      values[c] = simd::load(xg + c * simd::kLanes);
-      amax = simd::max(amax, simd::abs(values[c]));
+    for (int64_t g = begin; g < end; ++g) {
+      const float* xg = x + g * kGroup;
+      simd::vf values[kChunks], amax = simd::zero();
+      for (int c = 0; c < kChunks; ++c) {
+        values[c] = simd::load(xg + c * simd::kLanes);
+        amax = simd::max(amax, simd::abs(values[c]));
+      }
+      const float largest = simd::reduce_max(amax);
+      const float d = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
+      int8_t* q = out.q.data() + g * kGroup;
+      int sum[2] = {0, 0};
+      for (int c = 0; c < kChunks; ++c)
+        sum[c * simd::kLanes / 16] += simd::round_to_int8(
+            simd::mul(values[c], simd::set1(inverse)), q + c * simd::kLanes);
+      out.scale[g] = d;
+      out.group_sums[g] = d * static_cast<float>(sum[0] + sum[1]);
+      out.sums16[2 * g] = static_cast<int16_t>(sum[0]);
+      out.sums16[2 * g + 1] = static_cast<int16_t>(sum[1]);
     }
-    const float largest = simd::reduce_max(amax);
-    const float d = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
-    int8_t* q = out.q.data() + g * kGroup;
-    int sum[2] = {0, 0};
-    for (int c = 0; c < kChunks; ++c)
-      sum[c * simd::kLanes / 16] += simd::round_to_int8(
-          simd::mul(values[c], simd::set1(inverse)), q + c * simd::kLanes);
-    out.scale[g] = d;
-    out.group_sums[g] = d * static_cast<float>(sum[0] + sum[1]);
-    out.sums16[2 * g] = static_cast<int16_t>(sum[0]);
-    out.sums16[2 * g + 1] = static_cast<int16_t>(sum[1]);
-  }
   });
   return out;
 }

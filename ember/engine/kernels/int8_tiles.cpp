@@ -144,27 +144,27 @@ void tiled_all(bool vnni, int64_t rows, const float* x, const uint8_t* tiles, fl
     // int8 rows stay in L2 while the tiles pass (x whole outgrew L2 past ~1 MB: down_proj
     // of 760 rows scaled 1.76x on two cores, gate_up 1.94x)
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t m0 = r0; m0 < std::min(r0 + kRowBlock, rows); m0 += kPass) {
-        const Rows part{xq.q.data() + m0 * k_dim, xq.scale.data() + m0 * blocks,
-                        xq.group_sums.data() + m0 * blocks, k_dim, blocks};
-        const auto run = [&](auto rows_here) {
-          rows_on_tile<F, decltype(rows_here)::value>(vnni, part, tiles + t * tile_bytes, blocks,
-                                                      y + m0 * n_dim + t * kTile, n_dim);
-        };
-        switch (std::min<int64_t>(kPass, rows - m0)) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          case 4: run(std::integral_constant<int, 4>{}); break;
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t m0 = r0; m0 < std::min(r0 + kRowBlock, rows); m0 += kPass) {
+          const Rows part{xq.q.data() + m0 * k_dim, xq.scale.data() + m0 * blocks,
+                          xq.group_sums.data() + m0 * blocks, k_dim, blocks};
+          const auto run = [&](auto rows_here) {
+            rows_on_tile<F, decltype(rows_here)::value>(vnni, part, tiles + t * tile_bytes, blocks,
+                                                        y + m0 * n_dim + t * kTile, n_dim);
+          };
+          switch (std::min<int64_t>(kPass, rows - m0)) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            case 4: run(std::integral_constant<int, 4>{}); break;
 #if !defined(__AVX2__) || defined(__AVX512F__)
-          case 5: run(std::integral_constant<int, 5>{}); break;
-          case 6: run(std::integral_constant<int, 6>{}); break;
-          case 7: run(std::integral_constant<int, 7>{}); break;
-          case 8: run(std::integral_constant<int, 8>{}); break;
+            case 5: run(std::integral_constant<int, 5>{}); break;
+            case 6: run(std::integral_constant<int, 6>{}); break;
+            case 7: run(std::integral_constant<int, 7>{}); break;
+            case 8: run(std::integral_constant<int, 8>{}); break;
 #endif
+          }
         }
-      }
   });
 }
 
