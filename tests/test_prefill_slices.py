@@ -25,8 +25,14 @@ from ember.engine_args import add_engine_args, engine_options
 DEAR = StepCoefficients(base=1.0, per_prefill_token=1e4, per_decode_row=1.0)
 
 
+def use_cost_model(core: EngineCore, coefficients) -> None:
+    """Every holder of the core's step cost model gets one fixed at `coefficients`."""
+    model = StepCostModel(coefficients, prior_weight=1e12)
+    core.step_cost = core.scheduler.cost_model = core.slicer.step_cost = model
+
+
 def dear_prefill(core: EngineCore) -> None:
-    core.step_cost = core.scheduler.cost_model = StepCostModel(DEAR, prior_weight=1e12)
+    use_cost_model(core, DEAR)
 
 
 def record_events(core: EngineCore) -> list[str]:
@@ -273,10 +279,10 @@ def test_the_auto_target_is_a_share_of_a_512_token_prompt(tiny_checkpoint):
                               target_itl_ms=target)  # fmt: skip
         core = EngineCore.from_config(config)
         try:
-            core.step_cost = core.scheduler.cost_model = StepCostModel(PRICED, prior_weight=1e12)
+            use_cost_model(core, PRICED)
             assert core.target_itl_ms == pytest.approx(expected)
             slower = StepCoefficients(base=2.0, per_prefill_token=1.0, per_attention=0.25)
-            core.step_cost = core.scheduler.cost_model = StepCostModel(slower, prior_weight=1e12)
+            use_cost_model(core, slower)
             assert (core.target_itl_ms > expected) == (target is None)
         finally:
             core.close()
@@ -294,7 +300,7 @@ def test_the_auto_target_slices_where_prompts_are_cheap_beside_dear_decodes(tiny
         llm = LLM(str(path), max_num_batched_tokens=48, max_prefill_step_tokens=48,
                   max_num_seqs=3, **SMALL_KV)  # fmt: skip
         core = llm.engine.core
-        core.step_cost = core.scheduler.cost_model = StepCostModel(coefficients, prior_weight=1e12)
+        use_cost_model(core, coefficients)
         events = record_events(core)
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
         assert (core.step_stats.num_sliced > 0) == sliced, events

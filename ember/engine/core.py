@@ -4,8 +4,8 @@ Knows token ids only (no text, no HTTP). Life cycle: built once (loads the model
 sizes and allocates the KV cache), then `add_request` / `abort_requests` at any time
 and `step()` in a loop while `has_unfinished()`; each step returns the new tokens of
 every sequence that got one, and marks those that finished. A user request with n > 1
-runs as n sequences `{id}#{i}`; each after the first waits for the first's prompt
-blocks and shares them.
+runs as n sequences `{id}#{i}` (ember.engine.intake). Prompt steps beside decodes may run
+a slice of layers at a time (ember.engine.prompt_slicer decides; `_sliced_step`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import torch
 
 from ember import envs, startup
 from ember.config import EngineConfig
-from ember.engine.grammar_masks import GrammarCompiler, GrammarMatcher
 from ember.engine.idle import IdleWork
+from ember.engine.intake import RequestIntake
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ember.engine.model_runner import ModelRunner, PendingStep, SlicedStep
+from ember.engine.prompt_slicer import PromptSlicer
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.speculative import make_speculator
@@ -34,23 +35,6 @@ from ember.loader.checkpoint import Checkpoint, open_checkpoint
 from ember.model_config import ModelConfig
 
 logger = logging.getLogger("ember.engine")
-
-
-# target_itl_ms: a prompt's slices take about this share of the target each, so that the
-# decodes get their step close to it (with quarters, the trace's gaps were 75-100 ms at a
-# 100 ms target: more decode steps than it needs)
-SLICE_SHARE = 0.1
-# target_itl_ms auto: this share of the time a prompt chunk of AUTO_TARGET_TOKENS alone is
-# predicted to take (the step cost model: this machine's speed; the calibration times such
-# a prompt). The targets that held the conversation trace's ITL p90 to half vLLM's without
-# giving up its TTFT p90 were 0.72-0.84 of a 512-token prompt's time on a Zen 5 EPYC and
-# 0.85-0.94 on an AMX Xeon (a 1,024-token prompt's halved); on a Zen 4 EPYC, where the
-# step budget alone held the gaps under half vLLM's, 0.8 (232 ms) bought 0.42-0.44x
-# against 0.44-0.50x for a TTFT p90 of 1.12-1.20x against 0.86-0.90x. So the share sits
-# at their boundary: ~95 ms on the Xeon, ~140 on the Zen 5, ~220-280 on the Zen 4, about
-# its budget. Before the calibration the prior's slow costs put it past the budget.
-AUTO_TARGET_SHARE = 0.85
-AUTO_TARGET_TOKENS = 512
 
 
 class EngineCore:
@@ -104,8 +88,8 @@ class EngineCore:
         # decode step between would replace)
         one = alone and config.world_size == 1 and self.speculator is None
         one = one and self.runner.device.type == "cpu"
-        self._target_itl_ms = config.target_itl_ms if one else 0.0  # None: auto
-        self._decoded_at = time.perf_counter()  # the end of the last step with decodes
+        target_itl_ms = config.target_itl_ms if one else 0.0  # None: auto
+        self.slicer = PromptSlicer(target_itl_ms, self.step_cost, self.runner, self.kv_cache)
         self.idle = IdleWork(
             config, self.runner, self.kv_cache, self.step_cost, self.max_model_len,
             model_config.vocab_size,
@@ -114,7 +98,9 @@ class EngineCore:
             and self.speculator is None and self.runner.device.type == "cpu",
         )  # fmt: skip
         self._expert_tokens_sent = -float("inf")  # time.monotonic() when last in stats
-        self._grammars: GrammarCompiler | None = None
+        self.intake = RequestIntake(
+            config, model_config.vocab_size, checkpoint, self.runner, self.connector
+        )
         self._sequence_ids: dict[str, list[str]] = {}  # user request id -> its sequences
         self.num_sequences_received = 0
         self.num_preparing = 0  # requests the frontend said were on their way
@@ -194,7 +180,7 @@ class EngineCore:
         self.num_sequences_received += core_request.params.n
         if core_request.request_id in self._sequence_ids:
             raise ValueError(f"request_id {core_request.request_id!r} is already in use")
-        requests = self._make_requests(core_request)
+        requests = self.intake.sequences(core_request)
         self._sequence_ids[core_request.request_id] = [r.request_id for r in requests]
         for request in requests:
             self.scheduler.add(request)
@@ -214,99 +200,6 @@ class EngineCore:
                     self.speculator.forget(aborted, finished=False)
             self._forget(request_id)
             self.connector.drop_hold(request_id)  # a prefill the frontend will not hand over
-
-    def _make_requests(self, core_request: EngineCoreRequest) -> list[Request]:
-        params = core_request.params
-        kv = core_request.kv_transfer
-        remote = kv.remote_prefill if kv is not None else None
-        if kv is not None and params.n > 1:
-            raise ValueError("kv_transfer_params: only requests with n = 1 can be disaggregated")
-        if remote is not None:
-            self._check_remote(remote, core_request)
-        requests: list[Request] = []
-        for i in range(params.n):
-            seq_params = params.sibling(i)
-            request_id = core_request.request_id
-            requests.append(
-                Request(
-                    request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                    prompt_token_ids=core_request.prompt_token_ids,
-                    sampling_params=seq_params,
-                    max_tokens=core_request.max_tokens,
-                    eos_token_ids=frozenset(core_request.eos_token_ids),
-                    cache_salt=core_request.cache_salt,
-                    retain_kv=core_request.session_id is not None
-                    or core_request.kv_retention == "session",
-                    wait_for=requests[0] if requests else None,
-                    grammar=self._matcher(core_request.grammar),
-                    kv_transfer=kv,
-                )
-            )
-        if remote is not None:  # the prefill worker's first token is already output
-            request = requests[0]
-            for token_id in remote.first_token_ids:
-                request.token_ids.append(token_id)
-                if request.grammar is not None:
-                    request.grammar.accept(token_id)
-        if core_request.resume_token_ids:  # output on another worker: recomputed here
-            self._resume(requests, core_request.resume_token_ids, core_request.max_tokens)
-        return requests
-
-    def _resume(self, requests: list[Request], token_ids: list[int], max_tokens: int) -> None:
-        """Makes `token_ids` the output so far of a resumed stream (checked again here, as
-        the frontend did, so that no request can fail a step)."""
-        if len(requests) != 1 or not len(token_ids) < max_tokens:
-            raise ValueError("resume_params: only n = 1, with tokens left to generate")
-        (request,) = requests
-        vocab = self.model_config.vocab_size
-        if not all(0 <= t < vocab for t in token_ids):
-            raise ValueError(f"resume_params: token_ids must be in [0, {vocab})")
-        grammar = request.grammar
-        if grammar is not None:
-            if grammar.valid_prefix(token_ids) != len(token_ids):
-                raise ValueError("resume_params: token_ids do not follow the request's grammar")
-            if any(grammar.accept(t) for t in token_ids):
-                raise ValueError("resume_params: the grammar ended within token_ids")
-        request.token_ids.extend(token_ids)
-
-    def _check_remote(self, remote, core_request: EngineCoreRequest) -> None:
-        """What a handed-over prefill must match here (the frontend checked its signature);
-        checked again so that no request, whatever it holds, can fail a step."""
-        remote.check()
-        vocab = self.model_config.vocab_size
-        if not all(t < vocab for t in remote.first_token_ids):
-            raise ValueError(f"kv_transfer_params: first_token_ids must be in [0, {vocab})")
-        if remote.block_size != self.config.block_size:
-            raise ValueError(
-                f"kv_transfer_params: block_size {remote.block_size} differs from this "
-                f"worker's {self.config.block_size}"
-            )
-        if self.connector.get("disagg") is None:
-            raise ValueError(
-                "kv_transfer_params: this worker takes no handed-over prefills (a model over "
-                "ranks takes them as a decode worker: kv_role decode)"
-            )
-        try:
-            self.runner.worker_kv.check_sender(remote.pieces(), remote.block_bytes)
-        except ValueError as exc:
-            raise ValueError(f"kv_transfer_params: {exc}") from None
-        if remote.num_tokens != len(core_request.prompt_token_ids):
-            raise ValueError(
-                f"kv_transfer_params: the prefill worker held {remote.num_tokens} prompt "
-                f"tokens, this request has {len(core_request.prompt_token_ids)}"
-            )
-        if not 0 < len(remote.first_token_ids) < core_request.max_tokens:
-            raise ValueError("kv_transfer_params: first_token_ids must leave tokens to generate")
-        if len(remote.block_ids) != -(-remote.num_tokens // remote.block_size):
-            raise ValueError("kv_transfer_params: block_ids do not cover the prompt")
-
-    def _matcher(self, grammar: str | None) -> GrammarMatcher | None:
-        if grammar is None:
-            return None
-        if self._grammars is None:
-            tokenizer = self.checkpoint.tokenizer()
-            self._grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size)
-        return self._grammars.matcher(grammar)
 
     def _forget(self, sequence_id: str) -> None:
         """Drops a user request's entry once none of its sequences is live."""
@@ -381,55 +274,19 @@ class EngineCore:
 
     @property
     def target_itl_ms(self) -> float:
-        """The ITL target prompts are sliced for (0: off): config.target_itl_ms, or where
-        that is auto, AUTO_TARGET_SHARE of a AUTO_TARGET_TOKENS chunk's predicted time."""
-        if self._target_itl_ms is not None:
-            return self._target_itl_ms
-        n = AUTO_TARGET_TOKENS
-        chunk = StepShape(n, 0, StepShape.chunk_pairs(0, n))
-        return AUTO_TARGET_SHARE * self.step_cost.predict_ms(chunk)
-
-    def _decode_age_ms(self) -> float:
-        """Since the running decodes last got tokens (the end of the last step with decodes)."""
-        return (time.perf_counter() - self._decoded_at) * 1e3
+        """The ITL target prompts are sliced for (0: off; ember.engine.prompt_slicer)."""
+        return self.slicer.target_itl_ms
 
     def _slice_prompts(self, sched_out: SchedulerOutput, start: float) -> SchedulerOutput | None:
-        """`target_itl_ms`: puts this step's prompt chunks in flight, to run a slice of
-        layers at a time (`_sliced_step`), where the step with the decodes beside them is
-        predicted to give the decodes their next token later than the target; None where
-        not. Its decodes are then left out, to be scheduled again when due (what the
-        scheduler gave them stays theirs), unless one's token fills its block: scheduling
-        registered that block for prefix hits, so they run now (returned), lest an abort
-        or a preemption free it unwritten."""
-        if self._target_itl_ms == 0.0:  # (every step asks: nothing made when it is off)
+        """`target_itl_ms`: puts this step's prompt chunks in flight where the slicer says
+        to; the decodes that must run now (empty: none), or None where it did not."""
+        sliced = self.slicer.slice(sched_out)
+        if sliced is None:
             return None
-        chunks = [s for s in sched_out.scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in sched_out.scheduled if s.num_new_tokens == 1]
-        if not chunks or not decodes:
-            return None
-        target_ms = self.target_itl_ms
-        if target_ms <= 0:
-            return None
-        whole_ms = self.step_cost.predict_ms(sched_out.shape())
-        if self._decode_age_ms() + whole_ms <= target_ms:
-            return None
-        prompts = SchedulerOutput(chunks, prefill_cap=sched_out.prefill_cap)
-        shape = prompts.shape()
-        predicted_ms = self.step_cost.predict_ms(shape)
-        # slices of a tenth of the target: a decode step comes close to it, no sooner
-        num_layers = self.runner.num_local_layers
-        per_layer_ms = max(predicted_ms / num_layers, 1e-3)
-        per_slice = min(max(int(target_ms * SLICE_SHARE / per_layer_ms), 1), num_layers)
-        pending = self.runner.submit_sliced(prompts, per_slice)
-        pending.slice_ms = per_slice * per_layer_ms
-        self._in_flight.append(InFlight(prompts, pending, shape, predicted_ms, start))
+        prompts, pending = sliced.prompts, sliced.pending
+        self._in_flight.append(InFlight(prompts, pending, sliced.shape, sliced.predicted_ms, start))
         self.step_stats.num_sliced += 1
-        block_size = self.kv_cache.block_size
-        if self.kv_cache.enable_prefix_caching and any(
-            (s.start + 1) % block_size == 0 for s in decodes
-        ):
-            return SchedulerOutput(decodes, sched_out.preempted)
-        return SchedulerOutput()
+        return sliced.now
 
     def _sliced_step(self) -> list[EngineCoreOutput]:
         """With a prompt step in slices: its slices, until the running decodes (all but the
@@ -443,10 +300,7 @@ class EngineCore:
                 r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1
             ]  # (the prompts in flight have more than one token to compute)
             if decoding and not pending.decoded:
-                decode_ms = self.step_cost.predict_ms(StepShape(num_decode_rows=len(decoding)))
-                next_ms = pending.next_slice_ms()
-                due = self._decode_age_ms() + next_ms + decode_ms > self.target_itl_ms
-                if due:
+                if self.slicer.decode_due(pending, len(decoding)):
                     start = time.perf_counter()
                     busy = self._busy()
                     out = self.scheduler.schedule(self._drafts(), busy=busy, decodes_only=True)
@@ -536,7 +390,7 @@ class EngineCore:
                 self.speculator.forget(request)
         measured_ms = (time.perf_counter() - done.start) * 1e3
         if shape.num_decode_rows:
-            self._decoded_at = time.perf_counter()
+            self.slicer.decoded()
         if isinstance(done.pending, SlicedStep):  # its own time, not the decodes' between
             measured_ms = done.pending.own_ms()
         if done.pending is None or isinstance(done.pending, SlicedStep):
