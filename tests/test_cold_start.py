@@ -105,10 +105,9 @@ def test_an_engine_starts_without_touching_its_pool_and_still_generates(
         while core.has_unfinished():
             outputs += core.step()
         assert len([t for o in outputs for t in o.new_token_ids]) == 8
-        used = resident_bytes(kv)  # the blocks of 48 tokens, in every layer
-        parts = sum(t.shape[0] for t in kv)  # keys and values of each layer
-        advised = role == "mixed" and huge_pages.applies()  # (2 MB pages: one or two a part)
-        assert 0 < used <= (2 * huge_pages.HUGE_PAGE * parts if advised else pool / 100)
+        # the blocks of 48 tokens, in every layer: 4 KB pages, the pool's first ones left
+        # on them where the rest is advised onto 2 MB pages (Prefaulter's small_heads)
+        assert 0 < resident_bytes(kv) <= pool / 100
     finally:
         core.close()
 
@@ -173,6 +172,49 @@ def test_an_idle_engine_takes_its_pool_ahead_of_use_and_generates_the_same(tiny_
         finally:
             core.close()
     assert len(tokens[True]) == 8 and tokens[True] == tokens[False]
+
+
+def vm_flags(address: int) -> set[str]:
+    """The kernel's flags for the mapping holding `address` (/proc/self/smaps): "hg" for
+    MADV_HUGEPAGE, "nh" for MADV_NOHUGEPAGE."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not huge_pages.applies(), reason="2 MB pages are not advised here")
+def test_a_huge_page_pool_keeps_its_heads_on_small_pages_until_it_has_every_page():
+    """A pool advised onto 2 MB pages: the 2 MB regions holding each part's first range
+    go onto 4 KB pages (a first request's writes take a few of them, not a 2 MB page a
+    part), and back onto 2 MB ones once the prefaulter has taken every page, with every
+    byte as it was."""
+    layers, _ = buffers.allocate(kv_shape(1024), 3, torch.float32, "cpu", shm=False)
+    part_bytes = layers[0][0].nbytes  # 8 MB: the heads are 2 MB regions apart
+    prefaulter = buffers.Prefaulter(layers, slice_seconds=0, small_heads=True)
+    starts = [part.data_ptr() for layer in layers for part in layer]
+    assert [start for start, _ in prefaulter.heads] == starts and part_bytes == 8 << 20
+    assert all(length == huge_pages.HUGE_PAGE for _, length in prefaulter.heads)
+    assert all("nh" in vm_flags(start) for start in starts)
+    assert "hg" in vm_flags(starts[0] + huge_pages.HUGE_PAGE)  # past the head
+    layers[0][0, 0].fill_(1.5)  # the first block, a head's (before its pages are taken)
+    layers[2][1, 1023].fill_(-2.0)  # the last, past every head
+    assert resident_bytes([layers[0][0, :128]]) == 2 * PAGE  # 8 KiB: the block's own pages
+    steps = 0
+    while prefaulter.step():
+        steps += 1
+    assert prefaulter.done and steps >= len(starts) * 4  # 2 MB pieces, then the heads
+    assert all("hg" in vm_flags(start) and "nh" not in vm_flags(start) for start in starts)
+    assert resident_bytes(layers) == sum(t.nbytes for t in layers)
+    assert float(layers[0][0, 0].sum()) == 1.5 * layers[0][0, 0].numel()
+    assert float(layers[2][1, 1023].sum()) == -2.0 * layers[2][1, 1023].numel()
+    assert float(layers[1].abs().sum()) == 0.0
 
 
 def test_a_prefaulter_step_takes_pieces_until_its_time_is_spent(monkeypatch):

@@ -5,7 +5,8 @@ milliseconds; a calibration step, up to a 512-token prefill) until a request arr
 nothing is left. In order:
 
 1. the KV pool's pages, taken a few at a time ahead of use (ember.kv.buffers.Prefaulter:
-   a pool the OS hands out on first touch costs nothing at start);
+   a pool the OS hands out on first touch costs nothing at start; its parts' first pages
+   stay on 4 KB pages until then, so that a first request's writes cost little);
 2. each bf16 matmul timed whole and split by rows, so that each step takes the faster
    (ember.engine.matmul_split.SplitTuner);
 3. the step cost model's calibration on synthetic requests (ember.engine.calibration;
@@ -27,6 +28,7 @@ from ember.engine.matmul_split import SplitTuner
 from ember.engine.padded_rows import PrimitiveWarmer
 from ember.engine.step_cost import StepCostModel
 from ember.kv.buffers import Prefaulter
+from ember.models import huge_pages
 
 
 class IdleWork:
@@ -41,7 +43,11 @@ class IdleWork:
         calibrate: bool,
     ) -> None:
         kv = runner.worker_kv  # every rank's pool, where the ranks can take their pages
-        self.prefaulter = Prefaulter(kv.every_tensor() if kv else runner.kv_caches)
+        # a pool of its own (not in a shared-memory file) is on 2 MB pages where they apply
+        huge = runner.kv_shm_path is None and huge_pages.applies()
+        self.prefaulter = Prefaulter(
+            kv.every_tensor() if kv else runner.kv_caches, small_heads=huge
+        )
         self.calibrator = Calibrator(
             runner, kv_cache, step_cost, max_model_len, vocab_size, enabled=calibrate
         )
