@@ -193,7 +193,7 @@ std::vector<at::Tensor> rotary_split_bf16(at::Tensor qkv, at::Tensor cos,
 
 // silu(gate) * up for gate_up [T, 2I] -> [T, I], float32 or bf16 (out in the same dtype,
 // a bf16 result rounded once from the float32 product), in one pass over the rows. The
-// AVX-512 build's bf16 one takes e^-|g| inline (simd::exp2_bounded, within 3e-6; bf16
+// AVX-512 and AVX2 builds' bf16 one takes e^-|g| inline (simd::exp2_bounded, within 3e-6; bf16
 // keeps 2^-8): silu(g) = g / (1 + e^-|g|) for g >= 0, g e^-|g| / (1 + e^-|g|) below, the
 // division a reciprocal's estimate and a Newton step. Sleef's exp, a call per vector, was
 // most of its time once; the division and a degree-7 series after it (30 layers' distinct
@@ -207,6 +207,15 @@ inline simd::vf silu(simd::vf g, bool fast_exp) {
     const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     const simd::vf den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
     return _mm512_mul_ps(_mm512_mask_mul_ps(g, negative, g, e), simd::reciprocal(den));
+  }
+#elif defined(__AVX2__)
+  if (fast_exp) {  // the same on 8 lanes (30 layers of 288 rows x 1,536 on a Zen 4: 14.2 -> 6.7 ms)
+    const simd::vf magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.f), g);
+    const simd::vf e = simd::exp2_bounded(_mm256_mul_ps(magnitude, _mm256_set1_ps(-1.44269504f)));
+    const simd::vf negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const simd::vf den = _mm256_add_ps(_mm256_set1_ps(1.f), e);
+    const simd::vf num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), negative);
+    return _mm256_mul_ps(num, simd::reciprocal(den));
   }
 #endif
   return simd::div(g, simd::add(simd::set1(1.f), simd::exp(simd::sub(simd::zero(), g))));

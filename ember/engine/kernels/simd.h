@@ -161,6 +161,28 @@ inline float reduce_add(vf v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 inline vf exp(vf v) { return Sleef_expf8_u10avx2(v); }
+// 2^t for t below 128 (0 for -inf and far below), the AVX-512 build's polynomial on
+// t - floor t; 2^floor t made from its exponent bits in two halves (each a normal float
+// down to 2^-95: a result below 2^-126 is rounded once, as scalef rounds it; a NaN t
+// gives a finite value, as a caller's NaN operand carries the NaN on)
+inline vf exp2_bounded(vf t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-190.f));  // 2^-190 rounds to 0 as well
+  const vf whole = _mm256_floor_ps(t), f = _mm256_sub_ps(t, whole);
+  vf p = _mm256_fmadd_ps(_mm256_set1_ps(0.013534151f), f, _mm256_set1_ps(0.052011490f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24144274f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69300383f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000026f));
+  const __m256i n = _mm256_cvtps_epi32(whole), half = _mm256_srai_epi32(n, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const vf a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const vf b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(n, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+// 1 / x to within 2^-21 or so: the 12-bit estimate and a Newton step
+inline vf reciprocal(vf x) {
+  const vf r = _mm256_rcp_ps(x);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(x, r, _mm256_set1_ps(2.f)));
+}
 inline float reduce_max(vf v) {
   const __m128 quad = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
