@@ -310,3 +310,25 @@ def test_bodies_that_are_not_json_are_400s_at_the_router(cluster):
                                   headers={"content-type": "application/json"})  # fmt: skip
             assert response.status_code == 400, (path, body[:8], response.text)
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": True}, {"messages": 5}, {"messages": None}, {"messages": "hi"},
+        {"messages": {"role": "user"}}, {"system": ["x"], "messages": False},
+        {"prompt": "hi", "max_tokens": float("inf")}, {"prompt": "hi", "max_tokens": -1e400},
+    ],
+)  # fmt: skip
+def test_bodies_of_the_wrong_shape_are_the_workers_400s_at_the_router(cluster, body):
+    """Found by `make chaos`: `messages` not a list, or `max_tokens` Infinity (which Python's
+    JSON reads), was a 500 at the router, which reads both to place the request."""
+    import json
+
+    url, _ = cluster
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+        response = httpx.post(f"{url}{path}", content=json.dumps(body), timeout=30,
+                              headers={"content-type": "application/json"})  # fmt: skip
+        assert response.status_code == 400, (path, body, response.text)
+        assert "message" in response.json()["error"]
+    assert httpx.get(f"{url}/health").status_code == 200

@@ -87,8 +87,9 @@ def _prompt_text(body: dict) -> str:
     the Messages API's top-level system prompt)."""
     if "messages" in body:
         system = f"system:{json.dumps(body['system'])}\n" if body.get("system") else ""
+        messages = body["messages"] if isinstance(body["messages"], list) else []  # (a 400 there)
         return system + "".join(f"{m.get('role')}:{json.dumps(m.get('content'))}\n"
-                                for m in body["messages"] if isinstance(m, dict))  # fmt: skip
+                                for m in messages if isinstance(m, dict))  # fmt: skip
     if "input" in body:  # /v1/responses
         return f"{json.dumps(body.get('instructions'))}{json.dumps(body['input'])}"
     return json.dumps(body.get("prompt"))
@@ -209,7 +210,7 @@ class _Call:
                 or body.get("max_output_tokens")
                 or 256
             )
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # (Infinity: Python's JSON reads it)
             self.max_tokens = 256  # the worker will answer the bad value with a 400
 
     async def whole(self, router: Router, raw=None, extra=None, fallback: Worker | None = None):
