@@ -39,7 +39,7 @@ import torch
 SHM_DIR = "/dev/shm"
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, leaving their contents
 MADV_COLLAPSE = 25  # Linux 6.1+: a range's pages onto 2 MB pages now, contents kept
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # (ember.models.huge_pages.HUGE_PAGE, which this module imports late)
 logger = logging.getLogger(__name__)
 
 
