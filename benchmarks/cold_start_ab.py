@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+import httpx
+
 from ember.bench.startup import (
     children_cpu_s,
     evict,
@@ -39,14 +41,14 @@ def start(command: list[str], url: str) -> dict:
     """One start of `command`: spawn -> /health 200 -> first chat answer -> stop."""
     cpu_before = children_cpu_s()
     env = dict(os.environ, EMBER_LOG_LEVEL="WARNING")
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile() as log, httpx.Client() as client:
         t0 = time.perf_counter()
         process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            ready = wait_ready(process, url, log, name=command[0]) - t0
-            first = first_chat(url) - t0
+            ready = wait_ready(process, url, log, name=command[0], client=client) - t0
+            first = first_chat(url, client) - t0
         finally:
             stop_server(process)
     return {"ready_s": ready, "first_chat_s": first, "cpu_s": children_cpu_s() - cpu_before}
