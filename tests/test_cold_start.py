@@ -190,14 +190,18 @@ def vm_flags(address: int) -> set[str]:
 
 
 @pytest.mark.skipif(not huge_pages.applies(), reason="2 MB pages are not advised here")
-def test_a_huge_page_pool_keeps_its_heads_on_small_pages_until_it_has_every_page():
+@pytest.mark.parametrize("collapse", [True, False])  # False: a kernel without MADV_COLLAPSE
+def test_a_huge_page_pool_keeps_its_heads_on_small_pages_until_it_has_every_page(collapse):
     """A pool advised onto 2 MB pages: the 2 MB regions holding each part's first range
     go onto 4 KB pages (a first request's writes take a few of them, not a 2 MB page a
-    part), and back onto 2 MB ones once the prefaulter has taken every page, with every
-    byte as it was."""
+    part), and are advised back onto 2 MB ones (and collapsed, where the kernel can) once
+    the prefaulter has taken every page, with every byte as it was."""
     layers, _ = buffers.allocate(kv_shape(1024), 3, torch.float32, "cpu", shm=False)
     part_bytes = layers[0][0].nbytes  # 8 MB: the heads are 2 MB regions apart
     prefaulter = buffers.Prefaulter(layers, slice_seconds=0, small_heads=True)
+    if not collapse:
+        madvise = prefaulter._libc_madvise
+        prefaulter._libc_madvise = lambda *a: -1 if a[2] == buffers.MADV_COLLAPSE else madvise(*a)
     starts = [part.data_ptr() for layer in layers for part in layer]
     assert [start for start, _ in prefaulter.heads] == starts and part_bytes == 8 << 20
     assert all(length == huge_pages.HUGE_PAGE for _, length in prefaulter.heads)

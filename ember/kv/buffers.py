@@ -273,6 +273,7 @@ class Prefaulter:
         self.heads = _head_regions(self.parts, range_bytes) if small_heads else []
         self.heads = [h for h in self.heads if self._advise(*h, mmap.MADV_NOHUGEPAGE)]
         self._to_collapse = list(reversed(self.heads))
+        self._collapse = True  # until the kernel refuses MADV_COLLAPSE
 
     @property
     def done(self) -> bool:
@@ -293,8 +294,8 @@ class Prefaulter:
         while self._to_collapse:
             start, length = self._to_collapse.pop()
             self._advise(start, length, mmap.MADV_HUGEPAGE)
-            if not self._advise(start, length, MADV_COLLAPSE):  # an older kernel: as it is
-                self._to_collapse.clear()
+            if self._collapse and not self._advise(start, length, MADV_COLLAPSE):
+                self._collapse = False  # an older kernel, or THP off: advised only
             if time.perf_counter() >= deadline:
                 break
         return not self.done
