@@ -296,7 +296,7 @@ def test_the_session_header_marks_a_session(tiny_checkpoint):
 
     def retained(**fields) -> bool:
         request = EngineCoreRequest("r", PROMPT_A, GREEDY, 8, [], **fields)
-        return core.intake.sequences(request)[0].retain_kv
+        return core.intake.make_sequences(request)[0].retain_kv
 
     assert retained(session_id="agent-7") and retained(kv_retention="session")
     assert not retained()

@@ -180,7 +180,7 @@ class EngineCore:
         self.num_sequences_received += core_request.params.n
         if core_request.request_id in self._sequence_ids:
             raise ValueError(f"request_id {core_request.request_id!r} is already in use")
-        requests = self.intake.sequences(core_request)
+        requests = self.intake.make_sequences(core_request)
         self._sequence_ids[core_request.request_id] = [r.request_id for r in requests]
         for request in requests:
             self.scheduler.add(request)
@@ -390,7 +390,7 @@ class EngineCore:
                 self.speculator.forget(request)
         measured_ms = (time.perf_counter() - done.start) * 1e3
         if shape.num_decode_rows:
-            self.slicer.decoded()
+            self.slicer.mark_decoded()
         if isinstance(done.pending, SlicedStep):  # its own time, not the decodes' between
             measured_ms = done.pending.own_ms()
         if done.pending is None or isinstance(done.pending, SlicedStep):

@@ -34,7 +34,7 @@ class RequestIntake:
         self.connector = connector
         self._grammars: GrammarCompiler | None = None  # made on the first grammar
 
-    def sequences(self, core_request: EngineCoreRequest) -> list[Request]:
+    def make_sequences(self, core_request: EngineCoreRequest) -> list[Request]:
         """The request's sequences, its first carrying a handed-over prefill's first
         tokens or a resumed stream's output so far."""
         params = core_request.params

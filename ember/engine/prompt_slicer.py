@@ -70,7 +70,7 @@ class PromptSlicer:
         chunk = StepShape(n, 0, StepShape.chunk_pairs(0, n))
         return AUTO_TARGET_SHARE * self.step_cost.predict_ms(chunk)
 
-    def decoded(self) -> None:
+    def mark_decoded(self) -> None:
         """A step with decodes has just ended."""
         self._decoded_at = time.perf_counter()
 
