@@ -50,6 +50,7 @@ _HEADERS = (
     "cache_types.h",
     "padded_rows.h",
     "int8_rows.h",
+    "work_chunks.h",
     "int8_tiles.inc",
     "prefill_bf16_tile.inc",
     "prefill_amx_tile.inc",

@@ -35,6 +35,7 @@
 
 #include "int8_rows.h"
 #include "simd.h"
+#include "work_chunks.h"
 
 namespace {
 
@@ -412,7 +413,7 @@ template <int M, typename F>
 void block_gemm_m(const float* x, const uint8_t* w, float* y, int64_t k_dim, int64_t n_dim,
                   int64_t row_bytes) {
   constexpr int R = rows_per_group<M>();
-  at::parallel_for(0, n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
+  parallel_chunks(n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       row_group<M, R, F>(x, w, y, k_dim, n_dim, row_bytes, g * R);
   });
@@ -533,7 +534,7 @@ template <int M, typename F, typename X>
 void int8_gemm_m(const X& x, const uint8_t* w, float* y, int64_t k_dim, int64_t n_dim,
                  int64_t row_bytes) {
   constexpr int R = M <= 2 ? 4 : 2;
-  at::parallel_for(0, n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
+  parallel_chunks(n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       if constexpr (F::kWeights == 256)
         int8_super_row_group<M, R, F>(x, w, y, k_dim, n_dim, row_bytes, g * R);
@@ -622,7 +623,7 @@ at::Tensor dequantize_blocks(const at::Tensor& blocks, bool bf16) {
   auto decode_to = [&](auto* dst) {
     with_format(block_bytes, [&](auto format) {
       using F = decltype(format);
-      at::parallel_for(0, rows * per_row, 64, [&](int64_t begin, int64_t end) {
+      parallel_chunks(rows * per_row, 64, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           const uint8_t* block = src + b * F::kBytes;
           const typename F::Scales scales = F::scales(block);

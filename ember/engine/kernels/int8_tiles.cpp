@@ -32,6 +32,7 @@
 
 #include "int8_rows.h"
 #include "simd.h"
+#include "work_chunks.h"
 
 namespace {
 
@@ -139,32 +140,33 @@ void tiled_all(bool vnni, int64_t rows, const float* x, const uint8_t* tiles, fl
                int64_t k_dim, int64_t n_dim) {
   const QuantizedRows xq = int8_rows::quantize_rows(x, rows, k_dim);
   const int64_t blocks = k_dim / kGroup, tile_bytes = blocks * kTile * F::kBytes;
-  at::parallel_for(0, n_dim / kTile, 1, [&](int64_t begin, int64_t end) {
-    // a prefill's rows a block at a time, over all of this thread's tiles: the block's
-    // int8 rows stay in L2 while the tiles pass (x whole outgrew L2 past ~1 MB: down_proj
-    // of 760 rows scaled 1.76x on two cores, gate_up 1.94x)
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t m0 = r0; m0 < std::min(r0 + kRowBlock, rows); m0 += kPass) {
-          const Rows part{xq.q.data() + m0 * k_dim, xq.scale.data() + m0 * blocks,
-                          xq.group_sums.data() + m0 * blocks, k_dim, blocks};
-          const auto run = [&](auto rows_here) {
-            rows_on_tile<F, decltype(rows_here)::value>(vnni, part, tiles + t * tile_bytes, blocks,
-                                                        y + m0 * n_dim + t * kTile, n_dim);
-          };
-          switch (std::min<int64_t>(kPass, rows - m0)) {
-            case 1: run(std::integral_constant<int, 1>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            case 3: run(std::integral_constant<int, 3>{}); break;
-            case 4: run(std::integral_constant<int, 4>{}); break;
+  // (row block, tile) pairs in row-block order, a few tiles a chunk: a thread takes
+  // chunks of the same rows while they last (x's block stays in L2, as before)
+  const int64_t n_tiles = n_dim / kTile, row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  parallel_chunks(row_blocks * n_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = item / n_tiles * kRowBlock, t = item % n_tiles;
+      for (int64_t m0 = r0; m0 < std::min(r0 + kRowBlock, rows); m0 += kPass) {
+        const Rows part{xq.q.data() + m0 * k_dim, xq.scale.data() + m0 * blocks,
+                        xq.group_sums.data() + m0 * blocks, k_dim, blocks};
+        const auto run = [&](auto rows_here) {
+          rows_on_tile<F, decltype(rows_here)::value>(vnni, part, tiles + t * tile_bytes, blocks,
+                                                      y + m0 * n_dim + t * kTile, n_dim);
+        };
+        switch (std::min<int64_t>(kPass, rows - m0)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 4: run(std::integral_constant<int, 4>{}); break;
 #if !defined(__AVX2__) || defined(__AVX512F__)
-            case 5: run(std::integral_constant<int, 5>{}); break;
-            case 6: run(std::integral_constant<int, 6>{}); break;
-            case 7: run(std::integral_constant<int, 7>{}); break;
-            case 8: run(std::integral_constant<int, 8>{}); break;
+          case 5: run(std::integral_constant<int, 5>{}); break;
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 7: run(std::integral_constant<int, 7>{}); break;
+          case 8: run(std::integral_constant<int, 8>{}); break;
 #endif
-          }
         }
+      }
+    }
   });
 }
 

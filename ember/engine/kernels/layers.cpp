@@ -15,6 +15,7 @@
 #include "cache_types.h"
 #include "padded_rows.h"
 #include "simd.h"
+#include "work_chunks.h"
 
 namespace {
 
@@ -34,7 +35,7 @@ namespace {
 template <class D, class O>
 void add_rms_norm_rows(float* res, int64_t res_stride, const D* add, int64_t add_stride,
                        const float* w, O* o, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* x = res + r * res_stride;
       if (add) {
@@ -136,7 +137,7 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  parallel_chunks(tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < heads; ++h)
         rotate_head(base + t * stride + h * dim, cp + t * dim, sp + t * dim, half);
@@ -169,7 +170,7 @@ std::vector<at::Tensor> rotary_split_bf16(at::Tensor qkv, at::Tensor cos,
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
   const int64_t in_stride = qkv.stride(0), q_width = num_heads * dim, kv_width = num_kv_heads * dim;
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  parallel_chunks(tokens, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);
     for (int64_t t = begin; t < end; ++t) {
       const c10::BFloat16* src = in + t * in_stride;
@@ -224,7 +225,7 @@ inline simd::vf silu(simd::vf g, bool fast_exp) {
 
 template <class T>
 void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in + r * in_stride;
       const T* up = gate + inter;
@@ -280,7 +281,7 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor key_cache,
     T* kc = static_cast<T*>(key_cache.data_ptr());
     T* vc = static_cast<T*>(value_cache.data_ptr());
     // a step's slots are distinct: a prompt chunk's rows go on the threads at once
-    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    parallel_chunks(tokens, 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         store_row(kp + t * ks, kc + sp[t] * width, width);
         store_row(vp + t * vs, vc + sp[t] * width, width);
@@ -407,7 +408,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* data = x.data_ptr<float>();
   int64_t* result = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) result[r] = argmax_row(data + r * stride, n);
   });
   return out;

@@ -22,6 +22,7 @@
 
 #include "cache_types.h"
 #include "simd.h"
+#include "work_chunks.h"
 
 namespace {
 
@@ -234,7 +235,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
 
   const AttendFn<T> attend = attend_for<T>(head_dim, group);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, scratch(head_dim);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t seq = work / num_kv_heads, kv_head = work % num_kv_heads;

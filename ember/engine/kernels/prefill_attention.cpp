@@ -41,6 +41,7 @@
 #include "cache_types.h"
 #include "padded_rows.h"
 #include "simd.h"
+#include "work_chunks.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -461,34 +462,30 @@ Chunk check_chunk(const at::Tensor& q, const at::Tensor& key_cache,
 }
 
 // Runs attend(head, row offsets, positions, rows) on every tile of Rows query rows, all
-// KV heads, over the threads; a tile's unused rows get offset -1. Tiles come from both ends
-// of the chunk in turn: later rows see more keys, and each thread's run of work items then
-// holds cheap and dear tiles alike. Each thread calls begin() before its first tile and
-// end() after its last.
-struct NoHook {
-  void operator()() const {}
-};
-
-template <int Rows = kRows, class Attend, class Begin = NoHook, class End = NoHook>
+// KV heads, over the threads; a tile's unused rows get offset -1. Threads take the tiles
+// in chunks (work_chunks.h), the dearest first: later rows see more keys, so the last
+// tiles taken, those the others may wait on at the end, are the cheap ones. Each thread
+// calls begin() before its first tile and end() after its last.
+template <int Rows = kRows, class Attend, class Begin = NoThreadHook, class End = NoThreadHook>
 void for_each_tile(const Chunk& c, Attend attend, Begin begin_thread = {}, End end_thread = {}) {
   const int64_t tiles_per_head = (c.rows_per_head + Rows - 1) / Rows;
-  at::parallel_for(0, c.num_kv_heads * tiles_per_head, 1, [&](int64_t begin, int64_t end) {
-    int64_t offsets[Rows], pos[Rows];
-    begin_thread();
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t head = work / tiles_per_head, turn = work % tiles_per_head;
-      const int64_t tile = turn % 2 == 0 ? turn / 2 : tiles_per_head - 1 - turn / 2;
-      const int64_t row0 = tile * Rows;
-      const int num_rows = static_cast<int>(std::min<int64_t>(Rows, c.rows_per_head - row0));
-      for (int r = 0; r < Rows; ++r) {
-        const int64_t row = row0 + std::min(r, num_rows - 1), token = row / c.group;
-        offsets[r] = r < num_rows ? (token * c.num_heads + head * c.group + row % c.group) * c.head_dim : -1;
-        pos[r] = c.first_pos + token;
-      }
-      attend(head, offsets, pos, num_rows);
-    }
-    end_thread();
-  });
+  parallel_chunks(
+      c.num_kv_heads * tiles_per_head, 1,
+      [&](int64_t begin, int64_t end) {
+        int64_t offsets[Rows], pos[Rows];
+        for (int64_t work = begin; work < end; ++work) {
+          const int64_t head = work % c.num_kv_heads;
+          const int64_t row0 = (tiles_per_head - 1 - work / c.num_kv_heads) * Rows;
+          const int num_rows = static_cast<int>(std::min<int64_t>(Rows, c.rows_per_head - row0));
+          for (int r = 0; r < Rows; ++r) {
+            const int64_t row = row0 + std::min(r, num_rows - 1), token = row / c.group;
+            offsets[r] = r < num_rows ? (token * c.num_heads + head * c.group + row % c.group) * c.head_dim : -1;
+            pos[r] = c.first_pos + token;
+          }
+          attend(head, offsets, pos, num_rows);
+        }
+      },
+      begin_thread, end_thread);
 }
 
 }  // namespace
@@ -506,7 +503,7 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor key_cache,
     std::vector<float> keys_t(c.num_kv_heads * c.num_key_tiles * tile_floats);
     const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
     const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
-    at::parallel_for(0, c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
+    parallel_chunks(c.num_kv_heads * c.num_key_tiles, 16, [&](int64_t begin, int64_t end) {
       for (int64_t work = begin; work < end; ++work) {
         const int64_t head = work / c.num_key_tiles, tile = work % c.num_key_tiles;
         transpose_keys(k_ptr + head * c.head_dim, c.table_ptr, context_len, c.block_size,
@@ -559,7 +556,7 @@ PairedCache pair_cache(const Chunk& c, const at::Tensor& key_cache,
 #if EMBER_BF16_DOT
     static const bool convert = bf16_dot_supported();
 #endif
-    at::parallel_for(0, c.num_kv_heads * key_tiles, 16, [&](int64_t begin, int64_t end) {
+    parallel_chunks(c.num_kv_heads * key_tiles, 16, [&](int64_t begin, int64_t end) {
       for (int64_t work = begin; work < end; ++work) {
         const int64_t head = work / key_tiles, tile = work % key_tiles;
 #if EMBER_BF16_DOT
@@ -581,7 +578,7 @@ PairedCache pair_cache(const Chunk& c, const at::Tensor& key_cache,
 
 // Runs attend(rows, outs, first word of the KV head, num_rows) on tiles of Rows query rows
 // of bf16 q, writing bf16 out
-template <int Rows, class Attend, class Begin = NoHook, class End = NoHook>
+template <int Rows, class Attend, class Begin = NoThreadHook, class End = NoThreadHook>
 void for_each_bf16_tile(const Chunk& c, const at::Tensor& q, at::Tensor& out,
                         int64_t head_words, Attend attend, Begin begin = {}, End end = {}) {
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "simd.h"
+#include "work_chunks.h"
 
 namespace {
 
@@ -55,7 +56,7 @@ void row_group(const float* x, const W* w, float* y, int64_t k_dim, int64_t n_di
 template <int M, typename W>
 void small_gemm_m(const float* x, const W* w, float* y, int64_t k_dim, int64_t n_dim) {
   constexpr int R = rows_per_group<M>();
-  at::parallel_for(0, n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
+  parallel_chunks(n_dim / R, 64 / R, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) row_group<M, R, W>(x, w, y, k_dim, n_dim, g * R);
   });
 }
