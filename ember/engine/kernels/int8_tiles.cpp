@@ -140,8 +140,8 @@ void tiled_all(bool vnni, int64_t rows, const float* x, const uint8_t* tiles, fl
                int64_t k_dim, int64_t n_dim) {
   const QuantizedRows xq = int8_rows::quantize_rows(x, rows, k_dim);
   const int64_t blocks = k_dim / kGroup, tile_bytes = blocks * kTile * F::kBytes;
-  // (row block, tile) pairs in row-block order, a few tiles a chunk: a thread takes
-  // chunks of the same rows while they last (x's block stays in L2, as before)
+  // (row block, tile) pairs in row-block order: a thread's share and each chunk of it
+  // go over one block of x's rows at a time (the block stays in L2)
   const int64_t n_tiles = n_dim / kTile, row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   parallel_chunks(row_blocks * n_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {

@@ -163,8 +163,7 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
     // online softmax: scores become weights against each row's running maximum
     for (int r = 0; r < R; ++r) {
       float* s = scores[r];
-      float tile_peak = kNegInf;
-      for (int lane = 0; lane < kLanes; ++lane) tile_peak = std::max(tile_peak, s[lane]);
+      const float tile_peak = simd::reduce_max(simd::load(s));
       if (tile_peak == kNegInf) {  // every key of this tile is after the row
         simd::store(s, simd::zero());
         shrink[r] = 1.f;
@@ -462,10 +461,11 @@ Chunk check_chunk(const at::Tensor& q, const at::Tensor& key_cache,
 }
 
 // Runs attend(head, row offsets, positions, rows) on every tile of Rows query rows, all
-// KV heads, over the threads; a tile's unused rows get offset -1. Threads take the tiles
-// in chunks (work_chunks.h), the dearest first: later rows see more keys, so the last
-// tiles taken, those the others may wait on at the end, are the cheap ones. Each thread
-// calls begin() before its first tile and end() after its last.
+// KV heads, over the threads; a tile's unused rows get offset -1. Tiles come from both ends
+// of the chunk in turn: later rows see more keys, and each thread's share of the work
+// items then holds cheap and dear tiles alike (and a thread done with its share takes
+// what is left of the others', work_chunks.h). Each thread calls begin() before its first
+// tile and end() after its last.
 template <int Rows = kRows, class Attend, class Begin = NoThreadHook, class End = NoThreadHook>
 void for_each_tile(const Chunk& c, Attend attend, Begin begin_thread = {}, End end_thread = {}) {
   const int64_t tiles_per_head = (c.rows_per_head + Rows - 1) / Rows;
@@ -474,8 +474,9 @@ void for_each_tile(const Chunk& c, Attend attend, Begin begin_thread = {}, End e
       [&](int64_t begin, int64_t end) {
         int64_t offsets[Rows], pos[Rows];
         for (int64_t work = begin; work < end; ++work) {
-          const int64_t head = work % c.num_kv_heads;
-          const int64_t row0 = (tiles_per_head - 1 - work / c.num_kv_heads) * Rows;
+          const int64_t head = work / tiles_per_head, turn = work % tiles_per_head;
+          const int64_t tile = turn % 2 == 0 ? turn / 2 : tiles_per_head - 1 - turn / 2;
+          const int64_t row0 = tile * Rows;
           const int num_rows = static_cast<int>(std::min<int64_t>(Rows, c.rows_per_head - row0));
           for (int r = 0; r < Rows; ++r) {
             const int64_t row = row0 + std::min(r, num_rows - 1), token = row / c.group;
