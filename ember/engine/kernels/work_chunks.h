@@ -54,6 +54,7 @@ void parallel_chunks(int64_t n, int64_t grain, const Fn& fn, const Begin& begin_
     begin_thread();
     for (int64_t k = 0; k < shares; ++k) {  // its own share first, then the others'
       Share& s = owned[(first + k) % shares];
+      if (k > 0 && s.next.load(std::memory_order_relaxed) >= s.end) continue;  // no write
       for (int64_t begin; (begin = s.next.fetch_add(chunk, std::memory_order_relaxed)) < s.end;)
         fn(begin, std::min(begin + chunk, s.end));
     }
