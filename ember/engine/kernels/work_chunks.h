@@ -31,8 +31,9 @@ template <typename Fn, typename Begin = NoThreadHook, typename End = NoThreadHoo
 void parallel_chunks(int64_t n, int64_t grain, const Fn& fn, const Begin& begin_thread = {},
                      const End& end_thread = {}) {
   if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
   const int64_t threads = at::in_parallel_region() ? 1 : std::max(at::get_num_threads(), 1);
-  const int64_t shares = std::min(threads, (n + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1));
+  const int64_t shares = std::min(threads, (n + grain - 1) / grain);
   if (shares <= 1) {
     begin_thread();
     fn(int64_t{0}, n);
@@ -40,7 +41,7 @@ void parallel_chunks(int64_t n, int64_t grain, const Fn& fn, const Begin& begin_
     return;
   }
   const int64_t share = (n + shares - 1) / shares;
-  const int64_t chunk = std::max<int64_t>({grain, 1, (share + kChunksPerThread - 1) / kChunksPerThread});
+  const int64_t chunk = std::max(grain, (share + kChunksPerThread - 1) / kChunksPerThread);
   struct alignas(64) Share {  // a cache line each: the owner's adds do not slow the others'
     std::atomic<int64_t> next;
     int64_t end;
