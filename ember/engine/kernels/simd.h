@@ -519,6 +519,8 @@ inline vtile tile_high4(vtile v) {
 // keep |u| <= 128, |s| <= 127)
 inline vtile tile_pairs(vtile u, vtile s) { return _mm512_maddubs_epi16(u, s); }
 inline vtile tile_add16(vtile a, vtile b) { return _mm512_add_epi16(a, b); }
+// v is kept where it is: GCC may not regroup a chain of adds across it (see int8_tiles.inc)
+inline void tile_keep(vtile& v) { asm("" : "+v"(v)); }
 inline vtile tile_add32(vtile a, vtile b) { return _mm512_add_epi32(a, b); }
 inline vtile tile_quads(vtile pairs) { return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)); }
 inline vtile tile_abs8(vtile v) { return _mm512_abs_epi8(v); }
@@ -564,6 +566,7 @@ inline vtile tile_high4(vtile v) {
 }
 inline vtile tile_pairs(vtile u, vtile s) { return _mm256_maddubs_epi16(u, s); }
 inline vtile tile_add16(vtile a, vtile b) { return _mm256_add_epi16(a, b); }
+inline void tile_keep(vtile& v) { asm("" : "+x"(v)); }  // as in the AVX-512 build
 inline vtile tile_add32(vtile a, vtile b) { return _mm256_add_epi32(a, b); }
 inline vtile tile_quads(vtile pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 inline vtile tile_abs8(vtile v) { return _mm256_abs_epi8(v); }
