@@ -409,6 +409,22 @@ def test_silu_and_mul(kernels, width):
 
 
 @pytest.mark.parametrize("width", [1536, 37])
+def test_silu_and_mul_with_approx_exp_stays_within_its_bound(kernels, width):
+    """float32 with approx_exp (a product the next matmul rounds to int8 or bf16): within
+    1e-5 of the exact product, gates whose e^-|g| is subnormal or 0 included; on the x86
+    builds it is the polynomial's (not the exact pass's bits), the generic build's is exact."""
+    torch.manual_seed(width)
+    gate_up = torch.randn(5, 2 * width) * 6
+    gate_up[0, :6] = torch.tensor([-90.0, -100.0, -120.0, 90.0, 150.0, -150.0])
+    gate, up = gate_up.double().split(width, dim=1)
+    expected = gate * torch.sigmoid(gate) * up
+    out = kernels.silu_and_mul(gate_up, approx_exp=True)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-30)
+    exact = kernels.silu_and_mul(gate_up)
+    assert torch.equal(out, exact) == (kernels.isa == "generic")
+
+
+@pytest.mark.parametrize("width", [1536, 37])
 def test_silu_and_mul_in_bf16_rounds_the_float32_product_once(kernels, width):
     """bf16 in, bf16 out (a bf16 step's MLP): within a bf16 rounding of the product
     computed in float64 on the bf16 inputs, gates large enough to saturate the sigmoid

@@ -106,6 +106,48 @@ def test_int8_prefill_stays_near_exact_prefill(files):
     assert got == [o.outputs[0].token_ids for o in fp32.generate(PROMPTS, params)]
 
 
+def test_silu_takes_its_fast_exp_only_before_a_matmul_that_rounds_its_input(files, monkeypatch):
+    """The MLP's silu takes e^-|g| on the polynomial (approx_exp) exactly when the down
+    projection rounds its input to int8 for that many rows: every row count under int8,
+    decode rows only under exact prefill with int8 decode, none under exact fp32."""
+    import ember.models.llama as llama
+
+    seen = []
+    real = llama.silu_and_mul
+    monkeypatch.setattr(
+        llama, "silu_and_mul", lambda g, approx_exp=False: seen.append(approx_exp) or real(g, approx_exp)
+    )
+    path = str(files["llama-Q4_1"])
+    cases = [("int8", "auto", [True, True]), ("ieee", "int8", [True, False]),
+             ("ieee", "fp32", [False, False])]  # fmt: skip
+    for precision, activations, expected in cases:
+        llm = LLM(path, matmul_precision=precision, decode_activations=activations, **SMALL)
+        mlp = llm.engine.core.runner.model.model.layers[1].mlp
+        seen.clear()
+        with torch.inference_mode():
+            for rows in (1, 40):
+                mlp(torch.randn(rows, mlp.gate_up_proj.weight.shape[1]))
+        assert seen == expected, (precision, activations)
+
+
+def test_fused_decode_layers_give_the_python_layers_bits(files):
+    """The fused decode layer (C++) picks silu's exp as the Python MLP does: a decode
+    step's log-probabilities are the same bits through either, under int8 and exact."""
+    path = str(files["llama-Q4_1"])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    for precision, activations in (("int8", "auto"), ("ieee", "fp32")):
+        runs = []
+        for fused in (True, False):
+            llm = LLM(path, matmul_precision=precision, decode_activations=activations, **SMALL)
+            model = llm.engine.core.runner.model.model
+            assert model.fused_decode is not None
+            if not fused:
+                model.fused_decode_max_rows = 0
+            outputs = llm.generate(PROMPTS, params)
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+        assert runs[0] == runs[1], (precision, activations)
+
+
 @pytest.mark.parametrize(
     "amx, vnni, bf16_fast, expected",
     [

@@ -157,6 +157,17 @@ class Linear(nn.Module):
             return self._packed_linear(x)
         return F.linear(x, self.weight, self.bias)
 
+    def rounds_input(self, rows: int) -> bool:
+        """Whether forward on `rows` rows rounds x first: to bf16 (bf16 prefill) or to
+        int8 per 32 values (int8 activations)."""
+        if self.bf16_prefill and rows >= BF16_MIN_ROWS:
+            return True
+        return (
+            self.block_gemm is not None
+            and self.int8_gemm is not None
+            and rows <= min(self.block_max_rows, self.int8_max_rows)
+        )
+
     def _packed_linear(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         x = padded_rows(x)  # oneDNN's primitives by row count: fewer counts, made once
@@ -562,15 +573,16 @@ class MergedLinear(Linear):
         default_weight_loader(rows, tensor)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, approx_exp: bool = False) -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2I]: ember's one fused pass on CPU, in fp32 and in bf16
-    (a bf16 step's MLP), else torch's two ops."""
+    (a bf16 step's MLP), else torch's two ops. `approx_exp`: the result will be rounded to
+    int8 or bf16, so the fp32 pass may take e^-|g| to within 3e-6 (a bf16 pass always does)."""
     kernels = None
     if gate_up.device.type == "cpu" and gate_up.dtype in (torch.float32, torch.bfloat16):
         from ember.engine.kernels import cpu_kernels
 
         kernels = cpu_kernels() if gate_up.dim() == 2 and gate_up.stride(-1) == 1 else None
     if kernels is not None:
-        return kernels.silu_and_mul(gate_up)
+        return kernels.silu_and_mul(gate_up, approx_exp)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -115,7 +115,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, group, slices[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        rounded = self.down_proj.rounds_input(x.shape[0])
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), approx_exp=rounded))
 
 
 def moe_or_dense_mlp(config: ModelConfig, layer: int) -> nn.Module:

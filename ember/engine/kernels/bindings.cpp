@@ -18,7 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding");
   m.def("rotary_split_bf16", &rotary_split_bf16,
         "a bf16 qkv split and rotated: q in bf16, k and v in float32");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", py::arg("gate_up"),
+        py::arg("approx_exp") = false);
   m.def("linear_split_rows", &linear_split_rows,
         "oneDNN's packed matmul on row ranges at once, a thread each");
   m.def("write_kv", &write_kv, "store k, v at cache slots");

@@ -101,7 +101,9 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, bool first,
                   c10::nullopt, limits(1));
   if (reduce) reduce(o);
   x = add_rms_norm(residual, o, weights[1], eps, false);
-  auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits(2)));
+  // the down projection rounds its input to int8 per 32 values: silu's e^-|g| to 3e-6 will do
+  const bool act_rounded = !blocks[3].empty() && num_seqs <= block_max_rows && num_seqs <= int8_max_rows[3];
+  auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits(2)), act_rounded);
   auto down = linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits(3));
   if (reduce) reduce(down);
   return down;

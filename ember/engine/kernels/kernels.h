@@ -17,7 +17,7 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 std::vector<at::Tensor> rotary_split_bf16(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
                                           int64_t num_heads, int64_t num_kv_heads);
-at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor silu_and_mul(at::Tensor gate_up, bool approx_exp = false);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor key_cache, at::Tensor value_cache,
               at::Tensor slots);
 at::Tensor linear_split_rows(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,

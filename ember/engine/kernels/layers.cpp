@@ -195,10 +195,12 @@ std::vector<at::Tensor> rotary_split_bf16(at::Tensor qkv, at::Tensor cos,
 // silu(gate) * up for gate_up [T, 2I] -> [T, I], float32 or bf16 (out in the same dtype,
 // a bf16 result rounded once from the float32 product), in one pass over the rows. The
 // AVX-512 and AVX2 builds' bf16 one takes e^-|g| inline (simd::exp2_bounded, within 3e-6; bf16
-// keeps 2^-8): silu(g) = g / (1 + e^-|g|) for g >= 0, g e^-|g| / (1 + e^-|g|) below, the
-// division a reciprocal's estimate and a Newton step. Sleef's exp, a call per vector, was
-// most of its time once; the division and a degree-7 series after it (30 layers' distinct
-// 519 x 3,072 inputs, 2 threads: 11.7-12.0 -> 10.6-11.4 ms, most of it memory's).
+// keeps 2^-8), and so does their float32 one with `approx_exp` (for a product that the
+// next matmul rounds to int8 per 32 values, or to bf16, anyway): silu(g) = g / (1 + e^-|g|)
+// for g >= 0, g e^-|g| / (1 + e^-|g|) below, the division a reciprocal's estimate and a
+// Newton step. Sleef's exp, a call per vector, was most of its time once; the division and a
+// degree-7 series after it (30 layers' distinct 519 x 3,072 inputs, 2 threads: 11.7-12.0 ->
+// 10.6-11.4 ms, most of it memory's).
 namespace {
 inline simd::vf silu(simd::vf g, bool fast_exp) {
 #if defined(__AVX512F__)
@@ -224,7 +226,9 @@ inline simd::vf silu(simd::vf g, bool fast_exp) {
 }  // namespace
 
 template <class T>
-void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {
+void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter,
+                   bool approx_exp) {
+  const bool fast_exp = approx_exp || !std::is_same_v<T, float>;
   parallel_chunks(rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in + r * in_stride;
@@ -233,7 +237,7 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
       int64_t i = 0;
       for (; i + simd::kLanes <= inter; i += simd::kLanes) {
         const simd::vf g = simd::load(gate + i);
-        simd::store(y + i, simd::mul(silu(g, !std::is_same_v<T, float>), simd::load(up + i)));
+        simd::store(y + i, simd::mul(silu(g, fast_exp), simd::load(up + i)));
       }
       for (; i < inter; ++i) {
         const float g = static_cast<float>(gate[i]);
@@ -243,7 +247,7 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
   });
 }
 
-at::Tensor silu_and_mul(at::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up, bool approx_exp) {
   TORCH_CHECK(gate_up.dtype() == at::kFloat || gate_up.dtype() == at::kBFloat16,
               "silu_and_mul: float32 or bfloat16");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
@@ -252,11 +256,12 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   auto out = gate_up.dtype() == at::kBFloat16 ? empty_padded_rows(rows, inter, gate_up.options())
                                               : at::empty({rows, inter}, gate_up.options());
   if (gate_up.dtype() == at::kFloat) {
-    silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows, inter);
+    silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows, inter,
+                  approx_exp);
   } else {
     silu_mul_rows(reinterpret_cast<const c10::BFloat16*>(gate_up.data_ptr<at::BFloat16>()),
                   gate_up.stride(0), reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()),
-                  rows, inter);
+                  rows, inter, true);
   }
   return out;
 }
