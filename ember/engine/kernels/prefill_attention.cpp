@@ -96,11 +96,14 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
                  int64_t block_size, int64_t token_stride, float scale, float* const* out) {
   constexpr int64_t head_dim = NV * kLanes;
   constexpr int R = kRows;
-  // rows summed together in the value pass: their RP x NV sums and one value's NV vectors
-  // fit the registers, so each value vector loaded feeds RP multiply-adds
-  constexpr int kFit = (kVectorRegisters - 2) / NV - 1;
+  // the value pass takes NP of a head's vectors at a time and RP rows together: their
+  // RP x NP sums and one value's NP vectors fit the registers, so each value vector loaded
+  // feeds RP multiply-adds (a whole head where two rows fit, else half of one: 64-wide
+  // heads on the 16 registers of AVX2)
+  constexpr int NP = (kVectorRegisters - 2) / NV - 1 >= 2 ? NV : NV / 2;
+  constexpr int kFit = (kVectorRegisters - 2) / NP - 1;
   constexpr int RP = kFit >= 4 ? 4 : (kFit >= 2 ? 2 : 1);
-  static_assert(R % RP == 0, "row groups must divide the tile");
+  static_assert(R % RP == 0 && NV % NP == 0, "row groups must divide the tile");
   int64_t last = 0, first = pos[0];  // keys after the tile's last position are never seen
   for (int r = 0; r < num_rows; ++r) {
     last = std::max(last, pos[r]);
@@ -113,10 +116,11 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
     for (int64_t d = 0; d < head_dim; ++d) queries[d][r] = rows[r][d];
   alignas(64) float scores[R][kLanes];
   alignas(64) float sums_out[R][head_dim];
-  float peak[R], total[R], shrink[R];
+  alignas(64) float totals[R][kLanes];  // each row's softmax sum, lane by lane
+  float peak[R], shrink[R];
   for (int r = 0; r < R; ++r) {
     peak[r] = kNegInf;
-    total[r] = 0.f;
+    simd::store(totals[r], simd::zero());
     for (int64_t d = 0; d < head_dim; ++d) sums_out[r][d] = 0.f;
   }
   // a tile's values as float32 rows: a float32 cache's own, a bf16 cache's widened once a
@@ -174,31 +178,38 @@ void attend_tile(const float* const* rows, const int64_t* pos, int num_rows,
       peak[r] = new_peak;
       const simd::vf e = simd::exp(simd::sub(simd::load(s), simd::set1(new_peak)));
       simd::store(s, e);
-      total[r] = total[r] * shrink[r] + simd::reduce_add(e);
+      simd::store(totals[r], simd::fma(simd::load(totals[r]), simd::set1(shrink[r]), e));
     }
 
     // sums_out[r] = sums_out[r] * shrink[r] + sum over keys i of weight[r][i] * value(i)
+    // (a row group whose maxima all held skips the multiply by 1)
     for (int r0 = 0; r0 < R; r0 += RP) {
-      simd::vf sums[RP][NV];
-      for (int g = 0; g < RP; ++g) {
-        const simd::vf vs = simd::set1(shrink[r0 + g]);
-        for (int c = 0; c < NV; ++c)
-          sums[g][c] = simd::mul(simd::load(sums_out[r0 + g] + c * kLanes), vs);
-      }
-      for (int64_t i = 0; i < span; ++i) {
-        simd::vf value[NV];
-        for (int c = 0; c < NV; ++c) value[c] = simd::load(value_rows[i] + c * kLanes);
+      bool held = true;
+      for (int g = 0; g < RP; ++g) held = held && shrink[r0 + g] == 1.f;
+      for (int c0 = 0; c0 < NV; c0 += NP) {
+        simd::vf sums[RP][NP];
         for (int g = 0; g < RP; ++g) {
-          const simd::vf weight = simd::set1(scores[r0 + g][i]);
-          for (int c = 0; c < NV; ++c) sums[g][c] = simd::fma(weight, value[c], sums[g][c]);
+          const simd::vf vs = simd::set1(shrink[r0 + g]);
+          for (int c = 0; c < NP; ++c) {
+            sums[g][c] = simd::load(sums_out[r0 + g] + (c0 + c) * kLanes);
+            if (!held) sums[g][c] = simd::mul(sums[g][c], vs);
+          }
         }
+        for (int64_t i = 0; i < span; ++i) {
+          simd::vf value[NP];
+          for (int c = 0; c < NP; ++c) value[c] = simd::load(value_rows[i] + (c0 + c) * kLanes);
+          for (int g = 0; g < RP; ++g) {
+            const simd::vf weight = simd::set1(scores[r0 + g][i]);
+            for (int c = 0; c < NP; ++c) sums[g][c] = simd::fma(weight, value[c], sums[g][c]);
+          }
+        }
+        for (int g = 0; g < RP; ++g)
+          for (int c = 0; c < NP; ++c) simd::store(sums_out[r0 + g] + (c0 + c) * kLanes, sums[g][c]);
       }
-      for (int g = 0; g < RP; ++g)
-        for (int c = 0; c < NV; ++c) simd::store(sums_out[r0 + g] + c * kLanes, sums[g][c]);
     }
   }
   for (int r = 0; r < num_rows; ++r) {
-    const simd::vf inv = simd::set1(1.f / total[r]);
+    const simd::vf inv = simd::set1(1.f / simd::reduce_add(simd::load(totals[r])));
     for (int c = 0; c < NV; ++c)
       simd::store(out[r] + c * kLanes, simd::mul(simd::load(sums_out[r] + c * kLanes), inv));
   }
