@@ -31,7 +31,7 @@ def main() -> None:
     prompts = [[rng.randrange(100, 40000) for _ in range(286)] for _ in range(16)]
     llm.generate([list(range(100, 400))], SamplingParams(max_tokens=4))  # warm-up
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
-    wall, steps, shapes = replay(engine, prompts, params, concurrency=4)
+    wall, steps, shapes, *_ = replay(engine, prompts, params, concurrency=4)
     print(f"{wall:.2f} s, {len(steps)} steps, {16 * 64 / wall:.1f} output tok/s")
     kinds = collections.defaultdict(list)
     for seconds, shape in zip(steps, shapes, strict=False):
