@@ -115,7 +115,9 @@ def test_silu_takes_its_fast_exp_only_before_a_matmul_that_rounds_its_input(file
     seen = []
     real = llama.silu_and_mul
     monkeypatch.setattr(
-        llama, "silu_and_mul", lambda g, approx_exp=False: seen.append(approx_exp) or real(g, approx_exp)
+        llama,
+        "silu_and_mul",
+        lambda g, approx_exp=False: seen.append(approx_exp) or real(g, approx_exp),
     )
     path = str(files["llama-Q4_1"])
     cases = [("int8", "auto", [True, True]), ("ieee", "int8", [True, False]),
