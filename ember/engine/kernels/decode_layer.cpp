@@ -35,6 +35,11 @@ struct Limits {
   int64_t packed_min_rows, block_max_rows, int8_max_rows;
 };
 
+// Whether linear() multiplies `rows` rows of x on int8 activations (x rounded first)
+bool takes_int8(int64_t rows, const std::vector<at::Tensor>& blocks, Limits limits) {
+  return !blocks.empty() && rows <= limits.block_max_rows && rows <= limits.int8_max_rows;
+}
+
 // W's blocks: none, one matrix, or a fused W's parts in different formats (along out
 // features), multiplied part by part
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
@@ -42,7 +47,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::vector<at::Tensor>& blocks,
                   const c10::optional<at::Tensor>& bias, Limits limits) {
   if (!blocks.empty() && x.size(0) <= limits.block_max_rows) {
-    const auto gemm = x.size(0) <= limits.int8_max_rows ? block_gemm_int8 : block_gemm;
+    const auto gemm = takes_int8(x.size(0), blocks, limits) ? block_gemm_int8 : block_gemm;
     if (blocks.size() == 1) return gemm(x, blocks[0], bias);
     std::vector<at::Tensor> parts;
     for (const auto& part : blocks) parts.push_back(gemm(x, part, c10::nullopt));
@@ -101,9 +106,9 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, bool first,
                   c10::nullopt, limits(1));
   if (reduce) reduce(o);
   x = add_rms_norm(residual, o, weights[1], eps, false);
-  // the down projection rounds its input to int8 per 32 values: silu's e^-|g| to 3e-6 will do
-  const bool act_rounded = !blocks[3].empty() && num_seqs <= block_max_rows && num_seqs <= int8_max_rows[3];
-  auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits(2)), act_rounded);
+  // where the down projection rounds its input to int8, silu's e^-|g| to 3e-6 will do
+  auto act = silu_and_mul(linear(x, weights[4], packed[2], blocks[2], c10::nullopt, limits(2)),
+                          takes_int8(num_seqs, blocks[3], limits(3)));
   auto down = linear(act, weights[5], packed[3], blocks[3], c10::nullopt, limits(3));
   if (reduce) reduce(down);
   return down;
