@@ -1,6 +1,6 @@
-"""The int8 tiles' GEMM on each x86 kernel build in one process: the AVX-512 build (on
+"""The int8 tiles' GEMM on each kernel build in one process: the AVX-512 build (on
 AVX512-VNNI where the CPU has it), the AVX2 build on AVX-VNNI (where the CPU has it) and
-on maddubs + madd. The kinds alternate call by call over `--copies` weights per shape (as
+on maddubs + madd, and the generic build (plain 16-byte vectors). The kinds alternate call by call over `--copies` weights per shape (as
 a decode step's layers read them), `--repeats` rounds; the best µs a call is printed.
 
     python benchmarks/tiles_builds.py [--rows 1,4,8,16,64] [--copies 30] [--repeats 7]
@@ -33,15 +33,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kinds = {}
-    for isa in ("avx512", "avx2"):
+    for isa in ("avx512", "avx2", "generic"):
         kernels = cpu_kernels(isa) if isa in supported_isas() else None
         if kernels is None:
             continue
         if kernels.tiles_use_vnni():
             kinds[f"{isa} {kernels.tiles_vnni_name()}"] = (kernels, True)
-        kinds[f"{isa} maddubs"] = (kernels, False)
+        kinds[f"{isa} maddubs" if isa != "generic" else isa] = (kernels, False)
     if not kinds:
-        raise SystemExit("no x86 kernel build runs here")
+        raise SystemExit("no kernel build runs here")
     print(f"{args.threads} threads, {args.copies} copies of W; µs a call, best of {args.repeats}")
     for name, out_features, in_features in CASES:
         tiles = [

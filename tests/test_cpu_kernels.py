@@ -3,6 +3,8 @@ set build this CPU can run (an AVX-512 machine runs the AVX2 and generic builds 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -702,3 +704,35 @@ def test_argmax_rows_is_torchs_argmax_with_ties_nans_and_infinities(width, kerne
         kernels.argmax_rows(torch.zeros(2, width, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="contiguous rows"):
         kernels.argmax_rows(torch.zeros(width, 2).t())
+
+
+@pytest.mark.parametrize("target", ["host", "aarch64"])
+def test_generic_vector_helpers_on_each_target(target, tmp_path):
+    """The generic build's widening, broadcasts, fp16 and int8-tile helpers give what
+    scalar arithmetic gives, compiled for this machine and (where aarch64-linux-gnu-g++
+    and qemu-aarch64 are installed: `apt-get install g++-aarch64-linux-gnu qemu-user`)
+    for ARM, whose NEON lowering of the same code differs."""
+    import shutil
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler, runner = (
+        ("g++", []) if target == "host" else ("aarch64-linux-gnu-g++", ["qemu-aarch64"])
+    )
+    if shutil.which(compiler) is None or (runner and shutil.which(runner[0]) is None):
+        pytest.skip(f"no {compiler} / {' '.join(runner)} here")
+    source = Path(__file__).parent / "native" / "simd_generic_check.cpp"
+    kernels_dir = Path(__file__).parents[1] / "ember" / "engine" / "kernels"
+    binary = tmp_path / "check"
+    flags = ["-static"] if runner else []  # qemu runs it without an ARM sysroot
+    includes = [f"-I{kernels_dir}"] + [f"-I{path}" for path in include_paths()]
+    subprocess.run(
+        [compiler, "-O3", "-std=c++17", *flags, *includes, str(source), "-o", str(binary)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    result = subprocess.run([*runner, str(binary)], capture_output=True, text=True, timeout=120)
+    assert result.stdout.startswith("isa generic"), result.stdout
+    assert result.returncode == 0 and "0 failures" in result.stdout, result.stdout

@@ -20,8 +20,9 @@
 // x is quantized per 32 values (int8_rows.h: q, dx, dx * sum q). Per block, lane j sums
 // code * q exactly in int32 (maddubs, then madd; Q8_0's signs move onto x), then
 //   acc_j = fma(float(sum_j), d_j * dx, acc_j);   acc_j = fma(min_j, dx * sum q, acc_j)
-// with min_j = -8 d_j (Q4_0), -16 d_j (Q5_0), m_j (Q4_1, Q5_1), none (Q8_0). The generic build does the same
-// operations one lane at a time (std::fma), so every build gives the same bits, and a
+// with min_j = -8 d_j (Q4_0), -16 d_j (Q5_0), m_j (Q4_1, Q5_1), none (Q8_0). The generic build
+// makes the same integer sums in plain 16-byte vectors (int16 products, NEON's mla) and
+// the float operations lane by lane (std::fma), so every build gives the same bits, and a
 // row's result does not depend on the other rows of x.
 #include "kernels.h"
 #include <ATen/Parallel.h>
@@ -84,7 +85,7 @@ struct Rows {
 #if defined(__AVX2__)
 constexpr int kPass = kLanes == 16 ? 8 : 4;  // rows of x per pass over a tile (registers)
 #else
-constexpr int kPass = 8;
+constexpr int kPass = 4;  // a row's sums are 4 vectors: 16 of NEON's 32 registers
 #endif
 
 constexpr int64_t kRowBlock = 64;  // rows of x per pass over a thread's tiles (L2)

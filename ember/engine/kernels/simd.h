@@ -246,24 +246,31 @@ constexpr const char* kIsa = "generic";
 constexpr int kLanes = 8;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint8_t vb __attribute__((vector_size(kLanes)));
-typedef int8_t vsb __attribute__((vector_size(kLanes)));
 
 inline vf zero() { return vf{}; }
-inline vf set1(float v) { return vf{} + v; }
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline vf load(const c10::BFloat16* p) {
-  uint16_t bits[kLanes];
-  std::memcpy(bits, p, sizeof(bits));
-  vi wide;
-  for (int i = 0; i < kLanes; ++i) wide[i] = static_cast<int32_t>(bits[i]) << 16;
-  vf v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
+// Widening in this build is written as interleaves of 16-byte registers (SSE2's punpck,
+// NEON's zip): GCC 12 made __builtin_convertvector from bytes, and shuffles of vectors
+// wider than a register, one lane at a time.
+typedef uint8_t vbytes16 __attribute__((vector_size(16)));
+typedef uint16_t vhalves8 __attribute__((vector_size(16)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+typedef float vf4 __attribute__((vector_size(16)));
+inline vf join(vf4 low, vf4 high) { return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7); }
+// (vf{} + v, and a 16-byte broadcast joined, went through memory where a kernel's lambda
+// took the vector by reference: 8 scalar stores, then wider loads)
+static_assert(kLanes == 8, "set1 and pair_set1 list the lanes");
+inline vf set1(float v) { return vf{v, v, v, v, v, v, v, v}; }
+inline vf load(const c10::BFloat16* p) {  // each bf16 the high half of a float32
+  vhalves8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vhalves8 z = {};
+  return join(reinterpret_cast<vf4>(__builtin_shufflevector(z, h, 0, 8, 1, 9, 2, 10, 3, 11)),
+              reinterpret_cast<vf4>(__builtin_shufflevector(z, h, 4, 12, 5, 13, 6, 14, 7, 15)));
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline vf add(vf a, vf b) { return a + b; }
@@ -292,7 +299,7 @@ inline vpair pair_load(const uint32_t* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline vpair pair_set1(uint32_t v) { return vpair{} + v; }
+inline vpair pair_set1(uint32_t v) { return vpair{v, v, v, v, v, v, v, v}; }
 inline vf pair_low(vpair v) {
   const vpair bits = v << 16;
   vf f;
@@ -316,35 +323,45 @@ inline void store(c10::BFloat16* p, vf v) {
   for (int i = 0; i < kLanes; ++i) p[i] = c10::BFloat16(v[i]);
 }
 
-inline vb bytes(const uint8_t* p) {
-  vb b;
-  std::memcpy(&b, p, sizeof(b));
-  return b;
+inline vbytes16 bytes(const uint8_t* p) {  // p[0..7] in the low half
+  typedef uint64_t v2 __attribute__((vector_size(16)));
+  uint64_t eight;
+  std::memcpy(&eight, p, sizeof(eight));
+  return reinterpret_cast<vbytes16>(v2{eight, 0});
 }
-inline vf from_u8(const uint8_t* p) { return __builtin_convertvector(bytes(p), vf); }
-inline vf from_i8(const int8_t* p) {
-  vsb b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vf);
+// bytes 0-7 of b as floats (b[i] unsigned; with `is_signed`, int8)
+inline vf bytes_float(vbytes16 b, bool is_signed = false) {
+  const vbytes16 zero = {};
+  // each byte beside a zero (unsigned) or beside itself (its sign, after a shift)
+  const vbytes16 fill = is_signed ? b : zero;
+  const vhalves8 h = reinterpret_cast<vhalves8>(
+      __builtin_shufflevector(b, fill, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+  const vhalves8 hfill = is_signed ? h : reinterpret_cast<vhalves8>(zero);
+  vi4 low = reinterpret_cast<vi4>(__builtin_shufflevector(h, hfill, 0, 8, 1, 9, 2, 10, 3, 11));
+  vi4 high = reinterpret_cast<vi4>(__builtin_shufflevector(h, hfill, 4, 12, 5, 13, 6, 14, 7, 15));
+  if (is_signed) {
+    low >>= 24;
+    high >>= 24;
+  }
+  return join(__builtin_convertvector(low, vf4), __builtin_convertvector(high, vf4));
 }
-inline vf low_nibbles(const uint8_t* p) {
-  return __builtin_convertvector(bytes(p) & static_cast<uint8_t>(0x0F), vf);
-}
-inline vf high_nibbles(const uint8_t* p) {
-  return __builtin_convertvector(bytes(p) >> 4, vf);
-}
+inline vf from_u8(const uint8_t* p) { return bytes_float(bytes(p)); }
+inline vf from_i8(const int8_t* p) { return bytes_float(bytes(reinterpret_cast<const uint8_t*>(p)), true); }
+inline vf low_nibbles(const uint8_t* p) { return bytes_float(bytes(p) & 0x0F); }
+inline vf high_nibbles(const uint8_t* p) { return bytes_float(bytes(p) >> 4); }
 inline void nibbles(const uint8_t* p, vf& low, vf& high) {
-  const vb q = bytes(p);
-  low = __builtin_convertvector(q & static_cast<uint8_t>(0x0F), vf);
-  high = __builtin_convertvector(q >> 4, vf);
+  const vbytes16 q = bytes(p);
+  low = bytes_float(q & 0x0F);
+  high = bytes_float(q >> 4);
 }
 inline vf bits(const uint8_t* p, int shift, int mask) {
-  return __builtin_convertvector((bytes(p) >> shift) & static_cast<uint8_t>(mask), vf);
+  return bytes_float((bytes(p) >> shift) & static_cast<uint8_t>(mask));
 }
 inline vf word_bits(uint32_t word, int first) {
-  vi q;
-  for (int i = 0; i < kLanes; ++i) q[i] = (word >> (first + i)) & 1;
-  return __builtin_convertvector(q, vf);
+  const int32_t shifted = static_cast<int32_t>(word >> first);
+  const vi4 w = {shifted, shifted, shifted, shifted};
+  return join(__builtin_convertvector((w >> vi4{0, 1, 2, 3}) & 1, vf4),
+              __builtin_convertvector((w >> vi4{4, 5, 6, 7}) & 1, vf4));
 }
 #endif
 
@@ -354,6 +371,10 @@ inline float half_at(const uint8_t* p) {
   std::memcpy(&bits, p, sizeof(bits));
 #if defined(__F16C__)
   return _cvtsh_ss(bits);
+#elif defined(__aarch64__)  // the CPU's own conversion
+  __fp16 half;
+  std::memcpy(&half, &bits, sizeof(half));
+  return half;
 #else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 #endif
@@ -596,6 +617,85 @@ inline vf halves_load(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #else
+// The generic build's tiles (int8_tiles.inc), in 16-byte vectors (an SSE2 or a NEON
+// register): word c of kLanes features' codes (32 bytes, feature j's four at 4j..4j+3)
+// widened to four vectors of 8 int16 (two features' four each); x's four values of that
+// word, the same in each feature's four; their products summed in int16 while that is
+// exact, then each feature's four into int32 (tile16_quads)
+typedef int16_t vword __attribute__((vector_size(16)));
+struct vtile16 {
+  vword part[4];
+};
+// 8 bytes widened to int16, each byte twice and the pair read as one int16 (the byte's
+// value in its high half): compilers make this one zip of the register (GCC 12 made
+// __builtin_convertvector's widening one lane at a time on ARM)
+inline vword bytes_twice(const uint8_t* p) {
+  typedef uint8_t v8 __attribute__((vector_size(8)));
+  typedef uint8_t v16 __attribute__((vector_size(16)));
+  v8 b;
+  std::memcpy(&b, p, sizeof(b));
+  return reinterpret_cast<vword>(__builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+}
+inline vtile16 tile16_load(const uint8_t* p) {  // unsigned codes
+  typedef uint16_t vwordu __attribute__((vector_size(16)));
+  vtile16 out;
+  for (int k = 0; k < 4; ++k) out.part[k] = reinterpret_cast<vword>(reinterpret_cast<vwordu>(bytes_twice(p + 8 * k)) >> 8);
+  return out;
+}
+inline vtile16 tile16_load_signed(const uint8_t* p) {  // int8 codes
+  vtile16 out;
+  for (int k = 0; k < 4; ++k) out.part[k] = bytes_twice(p + 8 * k) >> 8;
+  return out;
+}
+inline vword tile16_set4(const int8_t* q) {  // q[0..3] in each feature's four
+  uint8_t eight[8];
+  std::memcpy(eight, q, 4);
+  std::memcpy(eight + 4, q, 4);
+  return bytes_twice(eight) >> 8;
+}
+// The same words' sums in int32, two per feature: feature 2k's two, then 2k+1's, in part k
+typedef int32_t vquad __attribute__((vector_size(16)));
+struct vtile32 {
+  vquad part[4];
+};
+inline vtile32 tile16_pairs(const vtile16& v) {
+  typedef uint32_t v4u __attribute__((vector_size(16)));
+  vtile32 out;
+  for (int k = 0; k < 4; ++k) {
+    const vquad low = reinterpret_cast<vquad>(reinterpret_cast<v4u>(v.part[k]) << 16) >> 16;
+    out.part[k] = low + (reinterpret_cast<vquad>(v.part[k]) >> 16);
+  }
+  return out;
+}
+inline void tile32_add(vtile32& a, const vtile32& b) {
+  for (int k = 0; k < 4; ++k) a.part[k] += b.part[k];
+}
+// lane j: the sum of feature j's two
+inline vi tile32_quads(const vtile32& v) {
+  const vquad first = __builtin_shufflevector(v.part[0], v.part[1], 0, 2, 4, 6) +
+                      __builtin_shufflevector(v.part[0], v.part[1], 1, 3, 5, 7);
+  const vquad second = __builtin_shufflevector(v.part[2], v.part[3], 0, 2, 4, 6) +
+                       __builtin_shufflevector(v.part[2], v.part[3], 1, 3, 5, 7);
+  return __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+// lane j: the sum of feature j's four int16 (exact)
+inline vi tile16_quads(const vtile16& v) { return tile32_quads(tile16_pairs(v)); }
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "tile16_pairs reads int16 pairs as int32");
+// codes plus 16 where the fifth bit is set: feature j's element i takes bit 8c + shift + i
+// of j's word (words: kLanes 4-byte words)
+inline void tile16_fifth_bit(vtile16& codes, const uint8_t* words, int c, int shift) {
+  vi w;
+  std::memcpy(&w, words, sizeof(w));
+  const int f = 8 * c + shift;
+  const vi bit = {f, f + 1, f + 2, f + 3, f, f + 1, f + 2, f + 3};
+  const vi spreads[4] = {__builtin_shufflevector(w, w, 0, 0, 0, 0, 1, 1, 1, 1),
+                         __builtin_shufflevector(w, w, 2, 2, 2, 2, 3, 3, 3, 3),
+                         __builtin_shufflevector(w, w, 4, 4, 4, 4, 5, 5, 5, 5),
+                         __builtin_shufflevector(w, w, 6, 6, 6, 6, 7, 7, 7, 7)};
+  for (int k = 0; k < 4; ++k)
+    codes.part[k] |= __builtin_convertvector((spreads[k] >> bit) & 1, vword) << 4;
+}
+
 inline vf abs(vf v) {
   for (int i = 0; i < kLanes; ++i) v[i] = std::fabs(v[i]);
   return v;
