@@ -633,3 +633,36 @@ def check_finished(request: Request, aborted: set[str], max_model_len: int) -> N
     else:
         assert request.status == RequestStatus.FINISHED_LENGTH
         assert len(output) == request.max_tokens or request.num_tokens == max_model_len
+
+
+def test_shortest_first_does_not_stall_on_a_sibling_waiting_for_a_running_prompt():
+    """Found by the random workloads above: under "shortest", a waiting n > 1 sibling
+    ranked above the running prompts (its own first among them) made the scheduler put
+    them after it, though it cannot start before that prompt's prefill ends; with the
+    blocks all held, every step was then empty. It must drain, with no blocks leaked."""
+    config = dict(block_size=2, max_model_len=22, num_blocks=12, max_num_batched_tokens=4)
+    config.update(max_num_seqs=3, enable_prefix_caching=True, max_prefill_step_tokens=40)
+    ops = [("add", None, [0], 1, None, False, False), ("add", None, [0], 1, None, False, False)]
+    ops += [("add", 1, [0] * 9, 3, None, False, False), ("add", None, [0], 5, None, False, False)]
+    ops += [("add", 0, [0], 1, None, False, False), ("abort", 0), ("step",), ("step",)]
+    ops += [("add", None, [0], 2, None, False, False), ("sibling", 38)]
+    scheduler = make_scheduler(**config, policy="shortest")
+    runner = FakeRunner(scheduler, hashed_sampler)
+    requests: list[Request] = []
+    for op in ops:
+        if op[0] == "step":
+            runner.execute(scheduler.schedule())
+        elif op[0] == "abort":
+            scheduler.abort(sorted(scheduler.requests)[op[1] % len(scheduler.requests)])
+        else:
+            request = request_from_op(op, f"r{len(requests)}", requests, config["max_model_len"])
+            scheduler.add(request)
+            requests.append(request)
+    for _ in range(200):
+        if not scheduler.num_unfinished:
+            break
+        out = scheduler.schedule()
+        assert not out.empty, "a step with requests unfinished and nothing scheduled"
+        runner.execute(out)
+    assert not scheduler.num_unfinished
+    assert scheduler.kv_cache.num_free_blocks == 12 and scheduler.kv_cache.check_integrity()

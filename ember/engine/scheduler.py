@@ -283,6 +283,11 @@ class Scheduler:
             self._schedule_waiting(out, budget, limit)
             if later:  # the running prompts that waiting ones went before, if room is left
                 self._schedule_running(out, budget, {}, busy, limit, later, second=True)
+                if not out.scheduled and not out.blocked:
+                    # none of the waiting ones got in, nor those prompts in the blocks left:
+                    # they go on as under fcfs, preempting for blocks (else every step is
+                    # empty, for ever, once the prompts hold all the blocks)
+                    self._schedule_running(out, budget, drafts or {}, busy, limit)
         return out
 
     def _order_prompts(self, busy: dict[str, int]) -> set[str]:
@@ -311,7 +316,11 @@ class Scheduler:
             return ratio(request, request.num_tokens - computed)
 
         self.waiting = deque(sorted(self.waiting, key=waiting_ratio, reverse=True))
-        first = waiting_ratio(self.waiting[0])
+        # one waiting for a sibling's prefill (n > 1) cannot go before anything yet
+        ready = [r for r in self.waiting if r.wait_for is None or r.wait_for.prefill_done]
+        if not ready:
+            return set()
+        first = waiting_ratio(ready[0])
         later = set()
         for request in self.running:
             left = (

@@ -631,15 +631,16 @@ struct vtile16 {
 // __builtin_convertvector's widening one lane at a time on ARM)
 inline vword bytes_twice(const uint8_t* p) {
   typedef uint8_t v8 __attribute__((vector_size(8)));
-  typedef uint8_t v16 __attribute__((vector_size(16)));
   v8 b;
   std::memcpy(&b, p, sizeof(b));
-  return reinterpret_cast<vword>(__builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  return reinterpret_cast<vword>(
+      __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
 }
 inline vtile16 tile16_load(const uint8_t* p) {  // unsigned codes
   typedef uint16_t vwordu __attribute__((vector_size(16)));
   vtile16 out;
-  for (int k = 0; k < 4; ++k) out.part[k] = reinterpret_cast<vword>(reinterpret_cast<vwordu>(bytes_twice(p + 8 * k)) >> 8);
+  for (int k = 0; k < 4; ++k)
+    out.part[k] = reinterpret_cast<vword>(reinterpret_cast<vwordu>(bytes_twice(p + 8 * k)) >> 8);
   return out;
 }
 inline vtile16 tile16_load_signed(const uint8_t* p) {  // int8 codes
